@@ -1,0 +1,33 @@
+# One entry per thing a user does. Every target sets itself up: uv (bootstrapped with pip if absent)
+# installs the locked environment into .venv on first use.
+SHELL := /bin/bash
+UV := $(shell command -v uv 2>/dev/null || echo uv-missing)
+PY := .venv/bin/python
+export HF_HUB_OFFLINE := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test train lint bench clean
+
+.venv/.synced: pyproject.toml uv.lock
+	@if [ "$(UV)" = "uv-missing" ]; then python3 -m pip install -q uv; fi
+	uv sync --frozen
+	@touch $@
+
+setup: .venv/.synced
+
+test: .venv/.synced
+	$(PY) -m pytest -q tests
+
+train: .venv/.synced
+	$(PY) run.py recipe=lra_listops $(ARGS)
+
+lint: .venv/.synced
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+bench: .venv/.synced
+	$(PY) bench/block.py
+	$(PY) bench/cema.py
+
+clean:
+	rm -rf .venv .pytest_cache
