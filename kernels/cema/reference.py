@@ -26,7 +26,9 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype in (torch.float64, torch.complex128) else torch.float32
 
 
-def cema_coefficients(alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def cema_coefficients(
+    alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Raw CEMA parameters -> (p [D,N] real, q [D,N] complex, gamma [D,N] complex).
 
     alpha, delta: [D, N, 1]; theta: [D, 1, 1]; gamma: [D, N, 2] (real, imaginary parts).

@@ -35,7 +35,9 @@ def _check(x: Tensor, weight: Tensor, num_groups: int, padding_mask: Tensor | No
     if weight.shape != (d,):
         raise ValueError(f"norm weight must be [{d}], got {tuple(weight.shape)}")
     if padding_mask is not None and padding_mask.shape != x.shape[:2]:
-        raise ValueError(f"padding_mask must be [B, L] = {tuple(x.shape[:2])}, got {tuple(padding_mask.shape)}")
+        raise ValueError(
+            f"padding_mask must be [B, L] = {tuple(x.shape[:2])}, got {tuple(padding_mask.shape)}"
+        )
 
 
 def timestep_norm(
@@ -64,7 +66,9 @@ def timestep_norm(
     sdt = _stat_dtype(x)
     acc = torch.float64  # dtype of the running sums over time
     xg = x.to(sdt).reshape(b, length, g, d // g)
-    valid = torch.ones(b, length, dtype=torch.bool, device=x.device) if padding_mask is None else ~padding_mask
+    valid = (
+        torch.ones(b, length, dtype=torch.bool, device=x.device) if padding_mask is None else ~padding_mask
+    )
     validf = valid.to(acc).unsqueeze(-1)  # [B, L, 1]
 
     if state is None:

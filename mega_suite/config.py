@@ -1,0 +1,64 @@
+"""Model configuration: one dataclass for every Megalodon variant (language model and classifier)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MegalodonConfig:
+    # --- backbone (SPEC §1, §9) ---
+    num_layers: int = 12  # number of Megalodon blocks
+    model_dim: int = 1024  # D, residual width
+    num_heads: int = 1  # h, attention heads (Q/K head width Z/h, value head width E/h)
+    z_dim: int = 256  # Z, shared query/key width
+    value_dim: int = 2048  # E, value width
+    ffn_hidden_dim: int = 2560  # F, FFN width
+    swiglu: bool = False  # SwiGLU FFN (W1, W2, W3) instead of SiLU (W1, W2)
+    cema_ndim: int = 16  # N, CEMA order
+    norm_num_groups: int = 32  # G, groups of TimestepNorm / group norm
+    chunk_size: int = 2048  # C, attention chunk size
+    norm_eps: float = 1e-5  # eps of every norm
+    rope_base: float = 10000.0  # RoPE base (the paper's 7B run: 1e5)
+    layer_scale: bool = False  # per-channel FFN output scale alpha, init 0.1 * 0.5**layer
+    dropout: float = 0.0  # dropout on the residual branches
+    hidden_dropout: float = 0.0  # dropout_h inside the attention layer and FFN
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    drop_path: float = 0.0  # stochastic depth rate (classification, e.g. ImageNet 0.3), linear over depth
+    cema_method: str = "auto"  # auto | fft | chunked | sequential
+    # --- language model (SPEC §5) ---
+    vocab_size: int = 32000  # V
+    scale_emb: bool = False  # multiply embeddings by sqrt(D)
+    share_emb: bool = False  # tie the output projection to the embedding
+    # --- classification (SPEC §6) ---
+    num_classes: int = 0  # > 0 makes a classifier
+    input_type: str = "token"  # token | scalar | patch
+    image_size: int = 224  # patch encoder: input image side
+    patch_size: int = 16  # patch encoder: patch side
+    in_chans: int = 3  # patch encoder: image channels
+    dual_input: bool = False  # retrieval: encode two documents, classify [u, v]
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.model_dim % self.norm_num_groups == 0, "model_dim", "divisible by norm_num_groups"),
+            (self.z_dim % self.num_heads == 0, "z_dim", "divisible by num_heads"),
+            (self.value_dim % self.num_heads == 0, "value_dim", "divisible by num_heads"),
+            ((self.z_dim // self.num_heads) % 2 == 0, "z_dim", "z_dim / num_heads even (RoPE pairs)"),
+            (self.chunk_size >= 1, "chunk_size", ">= 1"),
+            (self.input_type in ("token", "scalar", "patch"), "input_type", "token, scalar or patch"),
+            (
+                self.cema_method in ("auto", "fft", "chunked", "sequential"),
+                "cema_method",
+                "auto|fft|chunked|sequential",
+            ),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)!r} is invalid: expected {expected} "
+                    f"(model_dim={self.model_dim}, num_heads={self.num_heads}, norm_num_groups={self.norm_num_groups})"
+                )
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_classes > 0

@@ -1,0 +1,693 @@
+"""Megalodon, top to bottom (SPEC §1-§7).
+
+    X̂ = TimestepNorm(X)            X' = CEMA(X̂)                M = RMSNorm(X')
+    Q, K = per-head normalised Z = M W_z, scaled (1 + γ) / sqrt(Z/h) + β, RoPE inside each chunk
+    V = SiLU(X̂ W_v)  R = SiLU(M W_r)   O = ChunkAttention(Q, K, V)
+    H = M W_h1 + (O ⊙ R) W_h2        Y = H + X
+    out = X + FFN(LayerNorm(Y))       (two-hop residual: the FFN's residual is X, not Y)
+
+Parameter and buffer names follow the reference release (``layers.{i}.mega.*``, ``layers.{i}.nffn.*``,
+``embed``, ``output.final_norm``, ``output.output``), so its state dicts load as they are.
+Every module re-initialises itself with ``reset_parameters()``, so models can be built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels import attention_with_cache, cema, cema_coefficients, chunk_attention, group_norm, timestep_norm
+from kernels.timestep_norm import merge_norm_states
+from mega_suite.config import MegalodonConfig
+
+NormState = tuple[Tensor, Tensor, Tensor]
+
+
+def init_linear(linear: nn.Linear) -> None:
+    """Kaiming normal, a = sqrt(5), fan-in: N(0, 1 / (3 fan_in)); bias 0."""
+    nn.init.kaiming_normal_(linear.weight, a=math.sqrt(5))
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        init_linear(self)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class TimestepNorm(nn.Module):
+    """Causal group norm with statistics carried across segments (SPEC §3).
+
+    With ``causal=False`` it is the whole-sequence group norm of the classifier (same parameters).
+    The buffers ``prior_count, prior_mean, prior_logv`` are the reference release's initial state
+    (count 0, mean 0, log-variance 0); a stream starts from them (``initial_state``), a full pass from
+    count 0, which is the same thing while the count is 0.
+    """
+
+    def __init__(self, dim: int, num_groups: int, eps: float = 1e-5, causal: bool = True):
+        super().__init__()
+        self.dim, self.num_groups, self.eps, self.causal = dim, num_groups, eps, causal
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+        self.register_buffer("prior_count", torch.empty((), dtype=torch.int64))
+        self.register_buffer("prior_mean", torch.empty(num_groups))
+        self.register_buffer("prior_logv", torch.empty(num_groups))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+        self.prior_count.zero_()
+        self.prior_mean.zero_()
+        self.prior_logv.zero_()
+
+    def initial_state(self, batch: int) -> NormState:
+        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        count = self.prior_count.expand(batch).clone()
+        mean = self.prior_mean.to(dtype).expand(batch, -1).clone()
+        var = self.prior_logv.to(dtype).exp().expand(batch, -1).clone()
+        return count, mean, var
+
+    def forward(
+        self, x: Tensor, state: NormState | None = None, padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, NormState | None]:
+        if not self.causal:
+            return group_norm(x, self.weight, self.bias, self.num_groups, self.eps, padding_mask), None
+        return timestep_norm(x, self.weight, self.bias, self.num_groups, self.eps, state, padding_mask)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, groups={self.num_groups}, eps={self.eps}, causal={self.causal}"
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * (1 + weight), statistics in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (y * (1 + self.weight)).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with the plus-one affine: (1 + weight), bias; weight initialised to 0."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, 1 + self.weight, self.bias, self.eps)
+
+
+# --------------------------------------------------------------------------- CEMA
+
+
+class ComplexEMA(nn.Module):
+    """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
+
+    def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
+        super().__init__()
+        self.dim, self.ndim, self.bidirectional, self.method = dim, ndim, bidirectional, method
+        rows = 2 * dim if bidirectional else dim
+        self.alpha = nn.Parameter(torch.empty(rows, ndim, 1))
+        self.delta = nn.Parameter(torch.empty(rows, ndim, 1))
+        self.theta = nn.Parameter(torch.empty(rows, 1, 1))
+        self.gamma = nn.Parameter(torch.empty(rows, ndim, 2))
+        self.omega = nn.Parameter(torch.empty(dim, 1))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.alpha, 0.0, 0.2)
+        nn.init.normal_(self.delta, 0.0, 0.2)
+        # theta_d = logit(D^(-pi(d)/D)): base frequencies spread log-uniformly over (1/D, 1).
+        rows = self.theta.shape[0]
+        for start in range(0, rows, self.dim):
+            perm = torch.randperm(self.dim, device="cpu").to(self.theta.device, self.theta.dtype) + 1
+            freqs = torch.exp(-perm / self.dim * math.log(self.dim))
+            self.theta[start : start + self.dim, 0, 0] = torch.logit(freqs)
+        nn.init.normal_(self.gamma[..., 0], 0.0, 1.0)
+        nn.init.zeros_(self.gamma[..., 1])
+        nn.init.trunc_normal_(self.omega, 0.0, 0.25, -1.0, 1.0)
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
+
+    def forward(
+        self,
+        x: Tensor,
+        h0: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: [B, L, D] -> (y [B, L, D], h_last [B, D, N] complex or None)."""
+        p, q, gamma = self.coefficients()
+        method = "sequential" if (h0 is not None or return_state) and x.shape[1] <= 16 else self.method
+        return cema(
+            x, p, q, gamma, self.omega.squeeze(-1), h0=h0, bidirectional=self.bidirectional,
+            padding_mask=padding_mask, method=method, return_state=return_state,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, ndim={self.ndim}, bidirectional={self.bidirectional}"
+
+
+# --------------------------------------------------------------------------- attention layer
+
+
+def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
+    """Rotary embedding on interleaved pairs (x[2i], x[2i+1]). x: [B, L, h, d]; positions: [L]."""
+    d = x.shape[-1]
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
+    angle = positions.to(dtype).unsqueeze(-1) * inv_freq  # [L, d/2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    xr = x.to(dtype).unflatten(-1, (d // 2, 2))
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+@dataclass
+class LayerCache:
+    """Streaming state of one block: TimestepNorm statistics, CEMA state, KV of the unfinished chunk."""
+
+    norm: NormState
+    cema: Tensor  # [B, D, N] complex
+    k: Tensor | None = None  # [B, n < C, h, Z/h]
+    v: Tensor | None = None  # [B, n < C, h, E/h]
+    chunk_norms: list = field(default_factory=list)  # windowed-statistics mode: per-chunk norm states
+
+
+class MegalodonAttention(nn.Module):
+    """TimestepNorm -> CEMA -> normalised chunk attention with gated output (SPEC §1, first half)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, z, e, h = cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads
+        causal = not cfg.is_classifier
+        self.causal = causal
+        self.timenorm = TimestepNorm(d, cfg.norm_num_groups, cfg.norm_eps, causal=causal)
+        self.cema = ComplexEMA(d, cfg.cema_ndim, bidirectional=not causal, method=cfg.cema_method)
+        self.rmsnorm = RMSNorm(d, cfg.norm_eps)
+        self.wz = Linear(d, z)
+        self.wv = Linear(d, e)
+        self.wr = Linear(d, e)
+        self.wh1 = Linear(d, d)
+        self.wh2 = Linear(e, d, bias=False)
+        self.gamma = nn.Parameter(torch.empty(2, z))  # Q/K scales, applied as (1 + gamma)
+        self.beta = nn.Parameter(torch.empty(2, z))  # Q/K offsets
+        self.num_heads = h
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.gamma)
+        nn.init.zeros_(self.beta)
+
+    def _qkv(self, x_hat: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        b, length, _ = m.shape
+        h = self.num_heads
+        zd = self.cfg.z_dim // h
+        z = self.wz(m).view(b, length, h, zd)
+        zf = z.float() if z.dtype != torch.float64 else z
+        z_hat = zf * torch.rsqrt(zf.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
+        scale = (1 + self.gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
+        qk = z_hat.unsqueeze(0) * scale + self.beta.view(2, 1, 1, h, zd)
+        q, k = qk[0].to(m.dtype), qk[1].to(m.dtype)
+        v = F.silu(self.wv(x_hat)).view(b, length, h, -1)
+        r = F.silu(self.wr(m))
+        return q, k, v, r
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        cache: LayerCache | None = None,
+        pos: int = 0,
+    ) -> tuple[Tensor, LayerCache | None]:
+        """x: [B, L, D] -> (Y [B, L, D], new cache).
+
+        Without a cache the whole sequence is one pass (training). With a cache, ``x`` is a piece of the
+        stream starting at absolute position ``pos`` that never crosses a chunk boundary unless it starts on
+        one (the model splits segments accordingly).
+        """
+        cfg = self.cfg
+        c = cfg.chunk_size
+        x_hat, norm_state = self.timenorm(x, None if cache is None else cache.norm, padding_mask)
+        cema_out, h_last = self.cema(
+            x_hat, h0=None if cache is None else cache.cema, padding_mask=padding_mask,
+            return_state=cache is not None,
+        )  # fmt: skip
+        m = F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training)
+        q, k, v, r = self._qkv(x_hat, m)
+        length = x.shape[1]
+        offset = pos % c
+        attn_p = cfg.attention_dropout if self.training else 0.0
+        new_cache = None
+        if cache is None or offset == 0:
+            positions = torch.arange(length, device=x.device) % c
+            q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+            o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
+            if cache is not None:
+                tail = length % c  # keys of the unfinished last chunk stay cached
+                kc, vc = (k[:, length - tail :], v[:, length - tail :]) if tail else (None, None)
+                new_cache = LayerCache(norm_state, h_last, kc, vc, cache.chunk_norms)
+        else:
+            if offset + length > c:
+                raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
+            positions = torch.arange(offset, offset + length, device=x.device)
+            q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+            kc = k if cache.k is None else torch.cat([cache.k, k], 1)
+            vc = v if cache.v is None else torch.cat([cache.v, v], 1)
+            o = attention_with_cache(q, kc, vc, offset)
+            full = offset + length == c
+            new_cache = LayerCache(
+                norm_state, h_last, None if full else kc, None if full else vc, cache.chunk_norms
+            )
+        o = o.reshape(*o.shape[:2], -1)
+        gated = F.dropout(o * r, cfg.hidden_dropout, self.training)
+        out = self.wh1(m) + self.wh2(gated)
+        return out, new_cache
+
+
+class NormalizedFFN(nn.Module):
+    """LayerNorm -> SwiGLU (or SiLU) FFN, optional layer scale (SPEC §1, second half)."""
+
+    def __init__(self, cfg: MegalodonConfig, layer_index: int = 0):
+        super().__init__()
+        d, f = cfg.model_dim, cfg.ffn_hidden_dim
+        self.cfg, self.layer_index = cfg, layer_index
+        self.norm = LayerNorm(d, eps=cfg.norm_eps)
+        self.fc1 = Linear(d, f, bias=False)
+        self.fc2 = Linear(f, d, bias=False)
+        self.fc3 = Linear(d, f, bias=False) if cfg.swiglu else None
+        self.alpha = nn.Parameter(torch.empty(d)) if cfg.layer_scale else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.alpha is not None:
+            nn.init.constant_(self.alpha, 0.1 * 0.5**self.layer_index)
+
+    def forward(self, y: Tensor) -> Tensor:
+        u = self.norm(y)
+        a = F.silu(self.fc1(u))
+        if self.fc3 is not None:
+            a = a * self.fc3(u)
+        out = self.fc2(F.dropout(a, self.cfg.hidden_dropout, self.training))
+        return out * self.alpha if self.alpha is not None else out
+
+
+def drop_path(x: Tensor, p: float, training: bool) -> Tensor:
+    """Stochastic depth: drop the whole residual branch per sample, rescale the kept ones."""
+    if p == 0.0 or not training:
+        return x
+    keep = torch.empty(x.shape[0], *([1] * (x.dim() - 1)), device=x.device, dtype=x.dtype).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+class MegalodonBlock(nn.Module):
+    """One block with the two-hop residual: out = X + FFN(LN(H + X))."""
+
+    def __init__(self, cfg: MegalodonConfig, layer_index: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.mega = MegalodonAttention(cfg)
+        self.nffn = NormalizedFFN(cfg, layer_index)
+        self.drop_path = cfg.drop_path * layer_index / max(1, cfg.num_layers - 1)
+
+    def forward(
+        self, x: Tensor, padding_mask: Tensor | None = None, cache: LayerCache | None = None, pos: int = 0
+    ) -> tuple[Tensor, LayerCache | None]:
+        p = self.cfg.dropout
+        h, cache = self.mega(x, padding_mask, cache, pos)
+        y = drop_path(F.dropout(h, p, self.training), self.drop_path, self.training) + x
+        out = x + drop_path(F.dropout(self.nffn(y), p, self.training), self.drop_path, self.training)
+        return out, cache
+
+
+# --------------------------------------------------------------------------- language model
+
+
+@dataclass
+class StreamingCache:
+    """Everything the LM carries between segments (SPEC §7): O(C) memory whatever the context length."""
+
+    position: int  # tokens consumed so far (same for every batch row)
+    layers: list[LayerCache]
+    final_norm: NormState
+    window_stats: bool = False  # replace norm statistics by the last 6 chunks once 8 have been seen
+
+    def memory_bytes(self) -> int:
+        tensors = [t for lc in self.layers for t in (*lc.norm, lc.cema, lc.k, lc.v) if t is not None]
+        tensors += list(self.final_norm)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class OutputHead(nn.Module):
+    """Final TimestepNorm and the output projection (reference names ``output.final_norm``, ``output.output``)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        self.final_norm = TimestepNorm(cfg.model_dim, cfg.norm_num_groups, cfg.norm_eps)
+        self.output = Linear(cfg.model_dim, cfg.vocab_size, bias=False)
+
+
+WINDOW_CHUNKS, WINDOW_AFTER = 6, 8  # SPEC §7: statistics of the last 6 chunks once 8 have been seen
+
+
+def _unmerge(total: NormState, prefix: NormState) -> NormState:
+    """The statistics of the steps in ``total`` but not in ``prefix`` (inverse of the Welford merge)."""
+    nt, mt, vt = (t.double() for t in total)
+    np_, mp, vp = (t.double() for t in prefix)
+    n = (nt - np_).clamp(min=1).unsqueeze(-1)
+    s1 = nt.unsqueeze(-1) * mt - np_.unsqueeze(-1) * mp
+    s2 = nt.unsqueeze(-1) * (vt + mt.square()) - np_.unsqueeze(-1) * (vp + mp.square())
+    mean = s1 / n
+    var = (s2 / n - mean.square()).clamp(min=0)
+    return total[0] - prefix[0], mean.to(total[1].dtype), var.to(total[2].dtype)
+
+
+class MegalodonLM(nn.Module):
+    """Causal language model: embed -> blocks -> final TimestepNorm -> output projection (SPEC §5)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        if cfg.is_classifier:
+            raise ValueError(
+                f"MegalodonLM needs num_classes=0, got {cfg.num_classes} (use MegalodonClassifier)"
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
+        self.layers = nn.ModuleList(MegalodonBlock(cfg, i) for i in range(cfg.num_layers))
+        self.output = OutputHead(cfg)
+        if cfg.share_emb:
+            self.output.output.weight = self.embed.weight
+        self.gradient_checkpointing = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.model_dim**-0.5
+        nn.init.trunc_normal_(self.embed.weight, 0.0, std, -3 * std, 3 * std)
+
+    def init_weights(self) -> None:
+        """Re-initialise every parameter and buffer (after ``to_empty`` from the meta device)."""
+        for module in self.modules():
+            if hasattr(module, "reset_parameters") and module is not self:
+                module.reset_parameters()
+        self.reset_parameters()
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        if self.cfg.scale_emb:
+            x = x * math.sqrt(self.cfg.model_dim)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def logits(self, x: Tensor) -> Tensor:
+        out = self.output.output(x)
+        return out if out.dtype == torch.float64 else out.float()
+
+    def hidden_states(self, tokens: Tensor) -> Tensor:
+        """Full pass, no cache: [B, L] -> final normalised hidden states [B, L, D]."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(lambda t, m=layer: m(t)[0], x, use_reentrant=False)
+            else:
+                x, _ = layer(x)
+        return self.output.final_norm(x)[0]
+
+    def new_cache(self, batch: int, window_stats: bool = False) -> StreamingCache:
+        ref = self.embed.weight
+        layers = []
+        for layer in self.layers:
+            cema_mod = layer.mega.cema
+            ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64
+            h = torch.zeros(batch, self.cfg.model_dim, self.cfg.cema_ndim, dtype=ctype, device=ref.device)
+            layers.append(LayerCache(layer.mega.timenorm.initial_state(batch), h))
+        return StreamingCache(0, layers, self.output.final_norm.initial_state(batch), window_stats)
+
+    def forward(
+        self, tokens: Tensor, cache: StreamingCache | None = None, use_cache: bool = False
+    ) -> tuple[Tensor, StreamingCache | None]:
+        """tokens [B, L] -> (logits [B, L, V] float32, cache).
+
+        With ``cache`` (or ``use_cache=True``) the call continues a stream: any split of a sequence into
+        segments gives the same logits as one full pass. Segments may have any length.
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
+        if cache is None and not use_cache:
+            return self.logits(self.hidden_states(tokens)), None
+        if cache is None:
+            cache = self.new_cache(tokens.shape[0])
+        outs = []
+        for piece in self._pieces(tokens.shape[1], cache):
+            out, cache = self._stream_piece(tokens[:, piece], cache)
+            outs.append(out)
+        x = torch.cat(outs, 1) if outs else tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim).float()
+        return self.logits(x), cache
+
+    def _pieces(self, length: int, cache: StreamingCache) -> list[slice]:
+        """Cut a segment so that no piece crosses a chunk boundary unless it starts on one."""
+        c = self.cfg.chunk_size
+        pieces, start, pos = [], 0, cache.position
+        while start < length:
+            offset = pos % c
+            if offset:
+                n = min(c - offset, length - start)
+            elif cache.window_stats:
+                n = min(c, length - start)  # one chunk at a time: statistics are recorded per chunk
+            else:
+                n = length - start
+            pieces.append(slice(start, start + n))
+            start += n
+            pos += n
+        return pieces
+
+    def _stream_piece(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
+        pos = cache.position
+        x = self.embed_tokens(tokens)
+        new_layers = []
+        for layer, lc in zip(self.layers, cache.layers):
+            x, lc = layer(x, cache=lc, pos=pos)
+            new_layers.append(lc)
+        x, final_state = self.output.final_norm(x, cache.final_norm)
+        end = pos + tokens.shape[1]
+        new = StreamingCache(end, new_layers, final_state, cache.window_stats)
+        if cache.window_stats and end % self.cfg.chunk_size == 0:
+            self._window_statistics(cache, new)
+        return x, new
+
+    def _window_statistics(self, old: StreamingCache, new: StreamingCache) -> None:
+        """At a chunk boundary: remember this chunk's statistics; after 8 chunks keep the last 6 only."""
+        chunks_seen = new.position // self.cfg.chunk_size
+        pairs = [(o.norm, n) for o, n in zip(old.layers, new.layers)]
+        for old_norm, lc in pairs:
+            history = lc.chunk_norms + [_unmerge(lc.norm, old_norm)]
+            lc.chunk_norms = history[-WINDOW_CHUNKS:]
+            if chunks_seen >= WINDOW_AFTER:
+                merged = lc.chunk_norms[0]
+                for s in lc.chunk_norms[1:]:
+                    merged = merge_norm_states(merged, s)
+                lc.norm = merged
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        greedy: bool = False,
+        eos_id: int | None = None,
+        window_stats: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens with the streaming cache.
+
+        Memory is bounded by the chunk size, not the context length. Returns [B, L + new].
+        """
+        from mega_suite.generation import sample_next
+
+        if prompt.dim() != 2 or prompt.shape[1] == 0:
+            raise ValueError(f"prompt must be a non-empty [B, L] tensor, got shape {tuple(prompt.shape)}")
+        cache = self.new_cache(prompt.shape[0], window_stats)
+        logits, cache = self(prompt, cache)
+        out = [prompt]
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, greedy, generator)
+            if eos_id is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, eos_id), nxt)
+                finished |= nxt == eos_id
+            out.append(nxt[:, None])
+            if eos_id is not None and bool(finished.all()):
+                break
+            logits, cache = self(nxt[:, None], cache)
+        return torch.cat(out, 1)
+
+
+# --------------------------------------------------------------------------- classification
+
+
+class TokenEncoder(nn.Module):
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.model_dim**-0.5
+        nn.init.trunc_normal_(self.embed.weight, 0.0, std, -3 * std, 3 * std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"token input must be [B, L] int64, got shape {tuple(x.shape)}")
+        out = self.embed(x)
+        return out * math.sqrt(self.cfg.model_dim) if self.cfg.scale_emb else out
+
+
+class ScalarEncoder(nn.Module):
+    """Pixel or audio sample x -> x * w + b (a vector per step)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.model_dim))
+        self.bias = nn.Parameter(torch.empty(cfg.model_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, 0.0, 1.0)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"scalar input must be [B, L] float, got shape {tuple(x.shape)}")
+        return x.unsqueeze(-1).to(self.weight.dtype) * self.weight + self.bias
+
+
+class PatchEncoder(nn.Module):
+    """16x16 patch embedding plus learned positions (ImageNet): [B, C, H, W] -> [B, H*W/P^2, D]."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.proj = nn.Conv2d(cfg.in_chans, cfg.model_dim, cfg.patch_size, stride=cfg.patch_size)
+        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.pos = nn.Parameter(torch.empty(1, self.num_patches, cfg.model_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+        nn.init.trunc_normal_(self.pos, 0.0, 0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        side = self.cfg.image_size
+        if x.dim() != 4 or x.shape[1] != self.cfg.in_chans or x.shape[-2:] != (side, side):
+            raise ValueError(
+                f"image input must be [B, {self.cfg.in_chans}, {side}, {side}], got shape {tuple(x.shape)}"
+            )
+        return self.proj(x).flatten(2).transpose(1, 2) + self.pos
+
+
+ENCODERS = {"token": TokenEncoder, "scalar": ScalarEncoder, "patch": PatchEncoder}
+
+
+class ClassificationHead(nn.Module):
+    """Masked mean over valid steps -> Linear(D, 2D) -> GELU -> dropout -> Linear(2D, classes)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        width = cfg.model_dim * (2 if cfg.dual_input else 1)
+        self.dropout = cfg.dropout
+        self.fc1 = Linear(width, 2 * cfg.model_dim)
+        self.fc2 = Linear(2 * cfg.model_dim, cfg.num_classes, bias=False)
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        h = F.dropout(F.gelu(self.fc1(pooled)), self.dropout, self.training)
+        out = self.fc2(h)
+        return out if out.dtype == torch.float64 else out.float()
+
+
+class MegalodonClassifier(nn.Module):
+    """Encoder -> bidirectional blocks with group norm -> final group norm -> pooled head (SPEC §6)."""
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        if not cfg.is_classifier:
+            raise ValueError("MegalodonClassifier needs num_classes > 0")
+        self.cfg = cfg
+        self.encoder = ENCODERS[cfg.input_type](cfg)
+        self.layers = nn.ModuleList(MegalodonBlock(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = TimestepNorm(cfg.model_dim, cfg.norm_num_groups, cfg.norm_eps, causal=False)
+        self.head = ClassificationHead(cfg)
+        self.gradient_checkpointing = False
+
+    def init_weights(self) -> None:
+        for module in self.modules():
+            if hasattr(module, "reset_parameters") and module is not self:
+                module.reset_parameters()
+
+    def encode(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """Inputs -> pooled features [B, D] (masked mean over valid steps)."""
+        h = self.encoder(x)
+        if padding_mask is not None:
+            if padding_mask.shape != h.shape[:2]:
+                raise ValueError(
+                    f"padding_mask must be {tuple(h.shape[:2])}, got {tuple(padding_mask.shape)}"
+                )
+            h = h.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+        h = F.dropout(h, self.cfg.dropout, self.training)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                h = torch.utils.checkpoint.checkpoint(
+                    lambda t, m=layer: m(t, padding_mask)[0], h, use_reentrant=False
+                )
+            else:
+                h, _ = layer(h, padding_mask)
+        h, _ = self.final_norm(h, padding_mask=padding_mask)
+        if padding_mask is None:
+            return h.mean(1)
+        valid = (~padding_mask).unsqueeze(-1).to(h.dtype)
+        return (h * valid).sum(1) / valid.sum(1).clamp(min=1)
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        x2: Tensor | None = None,
+        padding_mask2: Tensor | None = None,
+    ) -> Tensor:
+        """[B, L] tokens / [B, L] scalars / [B, C, H, W] images -> logits [B, classes] (float32).
+
+        Retrieval (``dual_input``): both documents share weights; the head sees [u, v].
+        """
+        u = self.encode(x, padding_mask)
+        if self.cfg.dual_input:
+            if x2 is None:
+                raise ValueError("a dual_input (retrieval) classifier needs the second document x2")
+            u = torch.cat([u, self.encode(x2, padding_mask2)], dim=-1)
+        return self.head(u)
+
+
+def build_model(cfg: MegalodonConfig) -> nn.Module:
+    return MegalodonClassifier(cfg) if cfg.is_classifier else MegalodonLM(cfg)
