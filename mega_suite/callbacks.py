@@ -1,0 +1,163 @@
+"""Training-loop services: throughput, reproducible per-step randomness, graceful stop, atomic checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to ``<path>.tmp`` then rename: a kill during the save never leaves a corrupt checkpoint.
+
+    Checkpoints hold only tensors and plain Python values, and load with ``weights_only=True``.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path, map_location=None, **kwargs) -> dict[str, Any]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+class StepSeed(L.Callback):
+    """Seed the global RNG from (seed, step, batch, rank) before every training batch.
+
+    Dropout masks then depend only on the position in training, so a resumed run draws exactly the
+    randomness an uninterrupted one would have, whatever validation or data loading consumed in between.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        step = (
+            trainer.fit_loop.epoch_loop.total_batch_idx
+            if hasattr(trainer.fit_loop, "epoch_loop")
+            else batch_idx
+        )
+        torch.manual_seed((self.seed * 1_000_003 + step * 7919 + trainer.global_rank) % (2**63 - 1))
+
+
+class Throughput(L.Callback):
+    """Log per-device tokens/s and samples/s over each logging interval."""
+
+    def __init__(self, every: int = 10):
+        self.every = max(1, every)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tokens = self.samples = 0
+        self.elapsed = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.elapsed += time.perf_counter() - self._t0
+        tokens, samples = batch_size_in_tokens(batch)
+        self.tokens += tokens
+        self.samples += samples
+        if (batch_idx + 1) % self.every == 0 and self.elapsed > 0:
+            pl_module.log("train/tokens_per_sec", self.tokens / self.elapsed, on_step=True, prog_bar=True)
+            pl_module.log("train/samples_per_sec", self.samples / self.elapsed, on_step=True)
+            self._reset()
+
+
+def batch_size_in_tokens(batch: dict) -> tuple[int, int]:
+    """(valid tokens, samples) of a batch dict."""
+    tokens = 0
+    samples = 0
+    for key in ("input", "input1", "input2"):
+        if key not in batch:
+            continue
+        x = batch[key]
+        mask = batch.get(key.replace("input", "padding_mask"))
+        samples = x.shape[0]
+        if mask is not None:
+            tokens += int((~mask).sum())
+        else:
+            tokens += x.shape[0] * (x.shape[1] if x.dim() == 2 else 1)
+    return tokens, samples
+
+
+class GracefulStop(L.Callback):
+    """First SIGTERM / Ctrl-C: finish the current step, save ``last.ckpt``, stop. A second Ctrl-C aborts."""
+
+    def __init__(self, last_path: Path):
+        self.last_path = Path(last_path)
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(
+            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping."
+        )
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != 0 and trainer.world_size > 1:
+            return
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous.clear()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        stop = torch.tensor(float(self.requested is not None), device=pl_module.device)
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce(stop, reduce_op="max")
+        if stop.item() > 0:
+            trainer.save_checkpoint(self.last_path)
+            print(
+                f"[mega-suite] saved {self.last_path} at step {trainer.global_step}; resume with resume=auto"
+            )
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar counts optimizer steps towards ``max_steps`` (so its ETA is the run's)."""
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
+        if self.train_progress_bar is None or getattr(self, "_step_bar_started", False):
+            return
+        self._step_bar_started = True
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self.train_progress_bar.reset(total=total)
+        self.train_progress_bar.n = trainer.global_step
+        self.train_progress_bar.initial = 0
+        self.train_progress_bar.set_description("train")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if bar is None:
+            return
+        bar.n = trainer.global_step
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        bar.refresh()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pass

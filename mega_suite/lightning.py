@@ -1,0 +1,200 @@
+"""LightningModules around the one Megalodon backbone: sequence classification and causal language modelling.
+
+Both share the optimiser (AdamW, optional no-decay groups), the warmup + linear/cosine schedule, gradient
+clipping with gradient-norm logging, the non-finite-loss guard and FSDP2 sharding (``configure_model``).
+Validation runs on two loaders, [val, test], so the test metric at the best validation step is readable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+
+from mega_suite.config import MegalodonConfig
+from mega_suite.model import build_model
+
+STAGES = ("val", "test")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss; the run stops and keeps its last good checkpoint."""
+
+
+def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
+    """Multiplier of the peak lr at optimizer step s: linear warmup, then linear / cosine decay / constant."""
+
+    def f(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+
+    return f
+
+
+def _is_no_decay(name: str, param: nn.Parameter) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    in_norm = any(s in name for s in ("norm.", "rmsnorm.", "timenorm.", "final_norm."))
+    return param.dim() < 2 or in_norm or ".cema." in name or "embed" in name or leaf in ("gamma", "beta")
+
+
+class MegalodonModule(L.LightningModule):
+    """Shared optimisation, logging and sharding."""
+
+    def __init__(self, model_cfg: MegalodonConfig, optim: dict, trainer: dict, total_steps: int):
+        super().__init__()
+        self.model_cfg, self.optim_cfg, self.trainer_cfg = model_cfg, dict(optim), dict(trainer)
+        self.total_steps = total_steps
+        self.model = build_model(model_cfg)
+        self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))
+
+    # ----------------------------------------------------------------- sharding
+    def configure_model(self) -> None:
+        from mega_suite.parallel import apply_fsdp, uses_model_parallel
+
+        if uses_model_parallel(self):
+            apply_fsdp(self.model, self.device_mesh, bf16=str(self.trainer.precision).startswith("bf16"))
+
+    # ----------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if o["no_decay_groups"]:
+            groups = [
+                {
+                    "params": [p for n, p in named if not _is_no_decay(n, p)],
+                    "weight_decay": o["weight_decay"],
+                },
+                {"params": [p for n, p in named if _is_no_decay(n, p)], "weight_decay": 0.0},
+            ]
+        else:  # the reference code decays every parameter (SPEC §11)
+            groups = [{"params": [p for _, p in named], "weight_decay": o["weight_decay"]}]
+        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
+        fn = lr_lambda(o["schedule"], o["warmup_steps"], self.total_steps, o["min_lr_ratio"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        clip = self.optim_cfg["clip_grad_norm"]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+            norm = norm.full_tensor()
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False, prog_bar=True)
+
+    def check_finite(self, loss: Tensor) -> None:
+        if not torch.isfinite(loss.detach()).all():
+            raise NonFiniteLossError(
+                f"non-finite training loss {loss.item()} at step {self.global_step}; stopping. The last good "
+                "checkpoint is kept in the run directory: lower optim.lr, enable clipping, or resume from it."
+            )
+
+
+class SequenceClassifier(MegalodonModule):
+    """Classification over sequences (LRA, speech, images); retrieval when the model has dual_input."""
+
+    def __init__(self, model_cfg: MegalodonConfig, optim: dict, trainer: dict, total_steps: int):
+        super().__init__(model_cfg, optim, trainer, total_steps)
+        n = model_cfg.num_classes
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=n)
+        self.eval_acc = nn.ModuleList(torchmetrics.Accuracy(task="multiclass", num_classes=n) for _ in STAGES)
+        self.top5 = None
+        if n > 5:
+            self.top5 = nn.ModuleList(
+                torchmetrics.Accuracy(task="multiclass", num_classes=n, top_k=5) for _ in STAGES
+            )
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        if self.model_cfg.dual_input:
+            return self.model(
+                batch["input1"], batch.get("padding_mask1"), batch["input2"], batch.get("padding_mask2")
+            )
+        return self.model(batch["input"], batch.get("padding_mask"))
+
+    @staticmethod
+    def loss(logits: Tensor, label: Tensor) -> Tensor:
+        if label.dim() == 2:  # soft targets (mixup / cutmix with label smoothing)
+            return torch.sum(-label * F.log_softmax(logits, -1), -1).mean()
+        return F.cross_entropy(logits, label)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self(batch)
+        label = batch["label"]
+        loss = self.loss(logits, label)
+        self.check_finite(loss)
+        hard = label.argmax(-1) if label.dim() == 2 else label
+        self.train_acc(logits, hard)
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        stage = STAGES[dataloader_idx]
+        logits = self(batch)
+        label = batch["label"]
+        hard = label.argmax(-1) if label.dim() == 2 else label
+        loss = F.cross_entropy(logits, hard)
+        self.eval_acc[dataloader_idx](logits, hard)
+        kw = dict(on_epoch=True, add_dataloader_idx=False, batch_size=hard.shape[0], sync_dist=True)
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", **kw)
+        self.log(f"{stage}/acc", self.eval_acc[dataloader_idx], prog_bar=stage == "val", **kw)
+        if self.top5 is not None:
+            self.top5[dataloader_idx](logits, hard)
+            self.log(f"{stage}/acc_top5", self.top5[dataloader_idx], **kw)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validation_step(batch, batch_idx, 1)
+
+
+class CausalLM(MegalodonModule):
+    """Next-token prediction; targets of -100 are ignored. Logs loss, perplexity and bits per token."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)[0]
+
+    def lm_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        logits = self(batch["input"])
+        target = batch["target"]
+        nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+        count = (target != -100).sum()
+        return nll, count
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        nll, count = self.lm_loss(batch)
+        loss = nll / count.clamp(min=1)
+        self.check_finite(loss)
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)), on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        stage = STAGES[dataloader_idx]
+        nll, count = self.lm_loss(batch)
+        loss = nll / count.clamp(min=1)
+        kw = dict(on_epoch=True, add_dataloader_idx=False, batch_size=int(count), sync_dist=True)
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", **kw)
+        self.log(f"{stage}/ppl", torch.exp(loss.clamp(max=30)), **kw)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validation_step(batch, batch_idx, 1)
+
+
+def build_module(task: str, model_cfg: MegalodonConfig, **kwargs: Any) -> MegalodonModule:
+    if task == "classify":
+        return SequenceClassifier(model_cfg, **kwargs)
+    if task == "lm":
+        return CausalLM(model_cfg, **kwargs)
+    raise ValueError(f"task must be classify or lm, got {task!r}")

@@ -1,0 +1,47 @@
+"""mega-suite entry point: ``python run.py recipe=NAME key=value ...``.
+
+python run.py                      # list the recipes
+python run.py recipe=lra_listops   # train (mode=fit), logs and checkpoints under runs/lra_listops/<time>/
+python run.py recipe=lra_listops resume=auto            # continue the latest run of that recipe
+python run.py recipe=lra_listops mode=test ckpt=PATH    # evaluate a checkpoint
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from mega_suite.settings import ConfigError, list_recipes, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    if not any(a.startswith("recipe=") for a in argv) or "recipe=list" in argv:
+        print("recipes (python run.py recipe=NAME [key=value ...]):")
+        for name, description in list_recipes().items():
+            print(f"  {name:24s} {description}")
+        return 0
+    try:
+        cfg = load_config(argv)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from mega_suite.lightning import NonFiniteLossError
+    from mega_suite.runner import run
+
+    try:
+        metrics = run(cfg)
+    except NonFiniteLossError:
+        return 3
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("[mega-suite] done:", {k: v for k, v in metrics.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
