@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -30,6 +30,10 @@ class MegalodonConfig:
     vocab_size: int = 32000  # V
     scale_emb: bool = False  # multiply embeddings by sqrt(D)
     share_emb: bool = False  # tie the output projection to the embedding
+    adaptive_cutoffs: list[int] = field(
+        default_factory=list
+    )  # adaptive input + softmax bands, e.g. [20000, 60000]
+    adaptive_factor: float = 4.0  # width divisor per band (adaptive input / softmax)
     # --- classification (SPEC §6) ---
     num_classes: int = 0  # > 0 makes a classifier
     input_type: str = "token"  # token | scalar | patch

@@ -160,17 +160,28 @@ class SequenceClassifier(MegalodonModule):
 
 
 class CausalLM(MegalodonModule):
-    """Next-token prediction; targets of -100 are ignored. Logs loss, perplexity and bits per token."""
+    """Next-token prediction; targets of -100 are ignored.
+
+    Training batches are {"input", "target"} [B, L]. Evaluation batches that carry "first_segment" are
+    consecutive segments of one stream (batch size 1): the streaming cache is carried across them and reset
+    at each document's first segment, so every token is scored with its whole document as context, in
+    bounded memory. Word-level perplexity = exp(total NLL / num_words[split]) when the data module gives
+    ``num_words`` (WikiText-103, PG19), else token-level.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stream_cache: dict[int, Any] = {}
+        self._totals: dict[int, list[float]] = {}
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)[0]
 
     def lm_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        logits = self(batch["input"])
+        hidden, _ = self.model.forward_hidden(batch["input"])
         target = batch["target"]
-        nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
-        count = (target != -100).sum()
-        return nll, count
+        nll = self.model.token_nll(hidden, target).sum()
+        return nll, (target != -100).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         nll, count = self.lm_loss(batch)
@@ -180,13 +191,45 @@ class CausalLM(MegalodonModule):
         self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)), on_step=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        self._stream_cache.clear()
+        self._totals.clear()
+
+    on_test_epoch_start = on_validation_epoch_start
+
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        stage = STAGES[dataloader_idx]
-        nll, count = self.lm_loss(batch)
-        loss = nll / count.clamp(min=1)
-        kw = dict(on_epoch=True, add_dataloader_idx=False, batch_size=int(count), sync_dist=True)
-        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", **kw)
-        self.log(f"{stage}/ppl", torch.exp(loss.clamp(max=30)), **kw)
+        target = batch["target"]
+        if "first_segment" in batch:
+            cache = None if bool(batch["first_segment"].any()) else self._stream_cache.get(dataloader_idx)
+            hidden, cache = self.model.forward_hidden(batch["input"], cache, use_cache=True)
+            self._stream_cache[dataloader_idx] = cache
+        else:
+            hidden, _ = self.model.forward_hidden(batch["input"])
+        nll = self.model.token_nll(hidden, target).sum()
+        totals = self._totals.setdefault(dataloader_idx, [0.0, 0])
+        totals[0] += float(nll)
+        totals[1] += int((target != -100).sum())
+
+    def _log_totals(self) -> None:
+        num_words = getattr(self.trainer.datamodule, "num_words", None) or {}
+        for idx, (nll, count) in sorted(self._totals.items()):
+            stage = STAGES[idx]
+            total = torch.tensor([nll, float(count)], dtype=torch.float64, device=self.device)
+            total = (
+                self.trainer.strategy.reduce(total, reduce_op="sum") if self.trainer.world_size > 1 else total
+            )
+            nll_sum, tokens = float(total[0]), max(1.0, float(total[1]))
+            loss = nll_sum / tokens
+            self.log(f"{stage}/loss", loss, prog_bar=stage == "val", rank_zero_only=True)
+            self.log(f"{stage}/ppl", math.exp(min(loss, 30.0)), rank_zero_only=True)
+            words = num_words.get(stage)
+            if words:
+                self.log(f"{stage}/word_ppl", math.exp(min(nll_sum / words, 30.0)), rank_zero_only=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_totals()
+
+    on_test_epoch_end = on_validation_epoch_end
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self.validation_step(batch, batch_idx, 1)

@@ -384,6 +384,48 @@ def _unmerge(total: NormState, prefix: NormState) -> NormState:
     return total[0] - prefix[0], mean.to(total[1].dtype), var.to(total[2].dtype)
 
 
+class AdaptiveSoftmax(nn.AdaptiveLogSoftmaxWithLoss):
+    """Adaptive softmax (Grave et al.) whose bands also serve as the tied adaptive input (Baevski & Auli).
+
+    Band 0 (the ``cutoffs[0]`` most frequent words) embeds with the head's rows at width D; band i embeds
+    with the tail's output rows at width D / factor^i and projects up with the (transposed, tied) tail
+    projection. Token ids must be sorted by frequency (the WikiText-103 vocabulary is).
+    """
+
+    def __init__(self, dim: int, vocab: int, cutoffs: list[int], factor: float):
+        if not cutoffs or sorted(cutoffs) != list(cutoffs) or cutoffs[-1] >= vocab:
+            raise ValueError(f"adaptive_cutoffs must be increasing and < vocab_size={vocab}, got {cutoffs}")
+        super().__init__(dim, vocab, list(cutoffs), div_value=factor, head_bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                std = module.weight.shape[1] ** -0.5  # embedding-like: the rows are also input embeddings
+                nn.init.normal_(module.weight, 0.0, std)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [B, L] -> [B, L, D]."""
+        bounds = [0] + list(self.cutoffs)
+        out = tokens.new_zeros(*tokens.shape, self.in_features, dtype=self.head.weight.dtype)
+        for i in range(len(bounds) - 1):
+            mask = (tokens >= bounds[i]) & (tokens < bounds[i + 1])
+            if not mask.any():
+                continue
+            ids = tokens[mask] - bounds[i]
+            if i == 0:
+                vec = F.embedding(ids, self.head.weight)
+            else:
+                proj, rows = self.tail[i - 1][0], self.tail[i - 1][1]
+                vec = F.embedding(ids, rows.weight) @ proj.weight  # [n, D/f^i] @ [D/f^i, D]
+            out = out.index_put((mask,), vec.to(out.dtype))
+        return out
+
+    def token_nll(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token NLL [N] for hidden [N, D], target [N] (all valid)."""
+        return -self(hidden, target).output
+
+
 class MegalodonLM(nn.Module):
     """Causal language model: embed -> blocks -> final TimestepNorm -> output projection (SPEC §5)."""
 
@@ -397,14 +439,24 @@ class MegalodonLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.layers = nn.ModuleList(MegalodonBlock(cfg, i) for i in range(cfg.num_layers))
         self.output = OutputHead(cfg)
-        if cfg.share_emb:
+        if cfg.adaptive_cutoffs:  # adaptive input and softmax share their bands (WikiText-103)
+            self.embed = None
+            self.output.output = AdaptiveSoftmax(
+                cfg.model_dim, cfg.vocab_size, list(cfg.adaptive_cutoffs), cfg.adaptive_factor
+            )
+        elif cfg.share_emb:
             self.output.output.weight = self.embed.weight
         self.gradient_checkpointing = False
         self.reset_parameters()
 
+    @property
+    def adaptive(self) -> bool:
+        return self.embed is None
+
     def reset_parameters(self) -> None:
-        std = self.cfg.model_dim**-0.5
-        nn.init.trunc_normal_(self.embed.weight, 0.0, std, -3 * std, 3 * std)
+        if self.embed is not None:
+            std = self.cfg.model_dim**-0.5
+            nn.init.trunc_normal_(self.embed.weight, 0.0, std, -3 * std, 3 * std)
 
     def init_weights(self) -> None:
         """Re-initialise every parameter and buffer (after ``to_empty`` from the meta device)."""
@@ -414,14 +466,32 @@ class MegalodonLM(nn.Module):
         self.reset_parameters()
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
-        x = self.embed(tokens)
+        x = self.output.output.embed(tokens) if self.adaptive else self.embed(tokens)
         if self.cfg.scale_emb:
             x = x * math.sqrt(self.cfg.model_dim)
         return F.dropout(x, self.cfg.dropout, self.training)
 
     def logits(self, x: Tensor) -> Tensor:
+        """Hidden states [..., D] -> logits [..., V] (log-probabilities for the adaptive softmax)."""
+        if self.adaptive:
+            return self.output.output.log_prob(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         out = self.output.output(x)
         return out if out.dtype == torch.float64 else out.float()
+
+    def token_nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
+        """hidden [B, L, D], target [B, L] -> NLL per token [B, L] (0 where target == ignore_index)."""
+        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+        valid = flat_t != ignore_index
+        if self.adaptive:
+            nll = flat_h.new_zeros(flat_t.shape, dtype=torch.float32)
+            if valid.any():
+                nll = nll.index_put(
+                    (valid,), self.output.output.token_nll(flat_h[valid], flat_t[valid]).float()
+                )
+            return nll.view_as(target)
+        logits = self.logits(flat_h)
+        nll = F.cross_entropy(logits, flat_t.clamp(min=0), reduction="none")
+        return (nll * valid).view_as(target)
 
     def hidden_states(self, tokens: Tensor) -> Tensor:
         """Full pass, no cache: [B, L] -> final normalised hidden states [B, L, D]."""
@@ -434,7 +504,7 @@ class MegalodonLM(nn.Module):
         return self.output.final_norm(x)[0]
 
     def new_cache(self, batch: int, window_stats: bool = False) -> StreamingCache:
-        ref = self.embed.weight
+        ref = self.output.final_norm.weight
         layers = []
         for layer in self.layers:
             cema_mod = layer.mega.cema
@@ -451,18 +521,26 @@ class MegalodonLM(nn.Module):
         With ``cache`` (or ``use_cache=True``) the call continues a stream: any split of a sequence into
         segments gives the same logits as one full pass. Segments may have any length.
         """
+        x, cache = self.forward_hidden(tokens, cache, use_cache)
+        return self.logits(x), cache
+
+    def forward_hidden(
+        self, tokens: Tensor, cache: StreamingCache | None = None, use_cache: bool = False
+    ) -> tuple[Tensor, StreamingCache | None]:
+        """Like ``forward`` but returns the final normalised hidden states [B, L, D] (for losses)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if cache is None and not use_cache:
-            return self.logits(self.hidden_states(tokens)), None
+            return self.hidden_states(tokens), None
         if cache is None:
             cache = self.new_cache(tokens.shape[0])
         outs = []
         for piece in self._pieces(tokens.shape[1], cache):
             out, cache = self._stream_piece(tokens[:, piece], cache)
             outs.append(out)
-        x = torch.cat(outs, 1) if outs else tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim).float()
-        return self.logits(x), cache
+        if not outs:
+            return tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim, dtype=torch.float32), cache
+        return torch.cat(outs, 1), cache
 
     def _pieces(self, length: int, cache: StreamingCache) -> list[slice]:
         """Cut a segment so that no piece crosses a chunk boundary unless it starts on one."""

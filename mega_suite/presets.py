@@ -113,7 +113,8 @@ PRESETS: dict[str, dict] = {
         norm_num_groups=32,
         dropout=0.3,
         vocab_size=267744,
-        share_emb=True,
+        adaptive_cutoffs=[20000, 60000],  # adaptive input + softmax, factor 4, tied
+        adaptive_factor=4.0,
     ),
     # --- classification tasks (SPEC §9 small-task table; C = full length unless "-chunk") ---
     "lra_listops": dict(

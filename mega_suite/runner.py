@@ -39,6 +39,8 @@ class ValWithTest(L.LightningDataModule):
         return self.inner.train_dataloader()
 
     def val_dataloader(self):
+        if type(self.inner).test_dataloader is L.LightningDataModule.test_dataloader:  # no test split
+            return [self.inner.val_dataloader()]
         return [self.inner.val_dataloader(), self.inner.test_dataloader()]
 
     def test_dataloader(self):
