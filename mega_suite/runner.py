@@ -225,10 +225,46 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
         fn = trainer.validate if cfg.mode == "validate" else trainer.test
         out = fn(module, datamodule=data, ckpt_path=ckpt)
         metrics = {k: float(v) for d in out for k, v in d.items()}
+    elif cfg.mode == "eval_context" and cfg.task == "lm":
+        metrics = run_eval_context(cfg, module, dm, trainer, run_dir)
     else:
         raise ValueError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
     metrics["run_dir"] = str(run_dir)
     return metrics
+
+
+def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dict[str, Any]:
+    """Validation perplexity against context length (figure 5 of the paper) from a checkpoint."""
+    from mega_suite.evaluate import (
+        default_context_lengths,
+        documents_from_segments,
+        eval_context,
+        write_report,
+    )
+
+    if cfg.ckpt:
+        state = torch.load(cfg.ckpt, map_location="cpu", weights_only=True)
+        module.load_state_dict(state.get("state_dict", state))
+    else:
+        print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
+    dm.setup("validate")
+    docs = []
+    for doc in documents_from_segments(dm.val_dataloader()):
+        docs.append(doc)
+        if cfg.eval_max_documents and len(docs) >= cfg.eval_max_documents:
+            break
+    if not docs:
+        raise ValueError("eval_context: the validation split has no documents")
+    longest = max(d.numel() for d in docs)
+    lengths = list(cfg.eval_context_lengths) or default_context_lengths(longest)
+    words = (getattr(dm, "num_words", None) or {}).get("val") if not cfg.eval_max_documents else None
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
+    rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
+    writer = getattr(trainer.logger, "experiment", None)
+    table, plot = write_report(rows, run_dir, writer)
+    print(table.read_text())
+    print(f"[mega-suite] wrote {table} and {plot}")
+    return {f"ppl@{r['context']}": r.get("word_ppl", r["token_ppl"]) for r in rows}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

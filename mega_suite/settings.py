@@ -84,6 +84,10 @@ class RunConfig:
     run_dir: str | None = None  # set to reuse a directory
     resume: str | None = None  # auto | path to a .ckpt or a run directory
     ckpt: str | None = None  # checkpoint for validate / test
+    eval_context_lengths: list[int] = field(
+        default_factory=list
+    )  # mode=eval_context; empty: 4K, 8K, ... longest
+    eval_max_documents: int = 0  # mode=eval_context: 0 = every validation document
     monitor: str = "val/acc"  # metric for the best checkpoint
     monitor_mode: str = "max"
     model: ModelSection = field(default_factory=ModelSection)
