@@ -55,10 +55,11 @@ class StepSeed(L.Callback):
 
 
 class Throughput(L.Callback):
-    """Log per-device tokens/s and samples/s over each logging interval."""
+    """Log per-device tokens/s and samples/s over each logging interval (and MFU given FLOPs and peak)."""
 
-    def __init__(self, every: int = 10):
+    def __init__(self, every: int = 10, flops_per_token: float = 0.0, peak_tflops: float = 0.0):
         self.every = max(1, every)
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self._reset()
 
     def _reset(self) -> None:
@@ -76,6 +77,9 @@ class Throughput(L.Callback):
         if (batch_idx + 1) % self.every == 0 and self.elapsed > 0:
             pl_module.log("train/tokens_per_sec", self.tokens / self.elapsed, on_step=True, prog_bar=True)
             pl_module.log("train/samples_per_sec", self.samples / self.elapsed, on_step=True)
+            if self.flops_per_token and self.peak_tflops:
+                mfu = self.tokens / self.elapsed * self.flops_per_token / (self.peak_tflops * 1e12)
+                pl_module.log("train/mfu", mfu, on_step=True)
             self._reset()
 
 

@@ -206,7 +206,8 @@ class CausalLM(MegalodonModule):
         else:
             hidden, _ = self.model.forward_hidden(batch["input"])
         nll = self.model.token_nll(hidden, target).sum()
-        totals = self._totals.setdefault(dataloader_idx, [0.0, 0])
+        # Streaming loaders are iterable and not split across ranks: every rank scores the whole split.
+        totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch])
         totals[0] += float(nll)
         totals[1] += int((target != -100).sum())
 

@@ -66,7 +66,20 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
         max_length=d.max_length,
         pad_to_multiple=d.pad_to_multiple,
     )
-    kwargs.update(OmegaConf.to_container(d.options, resolve=True))
+    import inspect
+
+    from datamodules import DATAMODULES
+
+    if d.name not in DATAMODULES:
+        raise ValueError(f"data.name={d.name!r} is unknown; valid names: {', '.join(sorted(DATAMODULES))}")
+    accepted = inspect.signature(DATAMODULES[d.name].__init__).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # shared keys a module does not use
+    options = OmegaConf.to_container(d.options, resolve=True)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        valid = sorted(k for k in accepted if k != "self")
+        raise ValueError(f"data.options {unknown} are not options of data.name={d.name!r}; valid: {valid}")
+    kwargs.update(options)
     return build(d.name, **kwargs)
 
 
@@ -128,7 +141,45 @@ def build_strategy(cfg: DictConfig):
     return "auto"
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: list | None = None) -> L.Trainer:
+def device_count(cfg: DictConfig) -> int:
+    devices = cfg.trainer.devices
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if str(devices) == "auto" and cfg.trainer.accelerator != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def apply_global_batch(cfg: DictConfig) -> None:
+    """trainer.global_batch_tokens -> accumulate_grad_batches (the 4M-token batch of the paper's 7B run)."""
+    target = cfg.trainer.global_batch_tokens
+    if target <= 0:
+        return
+    seq_len = int(OmegaConf.select(cfg, "data.options.seq_len") or cfg.data.max_length)
+    per_step = cfg.data.batch_size * seq_len * device_count(cfg) * cfg.trainer.num_nodes
+    accumulate = max(1, round(target / per_step))
+    cfg.trainer.accumulate_grad_batches = accumulate
+    print(
+        f"[mega-suite] global batch {target} tokens = {per_step} tokens/step x {accumulate} accumulation "
+        f"({per_step * accumulate} tokens)"
+    )
+
+
+def flops_per_token(mcfg) -> float:
+    """Training matmul FLOPs per token: 6 x (non-embedding matmul parameters) + chunk attention (fwd + bwd)."""
+    d, z, e, f = mcfg.model_dim, mcfg.z_dim, mcfg.value_dim, mcfg.ffn_hidden_dim
+    block = d * z + 2 * d * e + d * d + e * d + (3 if mcfg.swiglu else 2) * d * f
+    head = d * mcfg.vocab_size
+    # Causal attention inside a chunk: on average C/2 keys per query, Q.K (Z) and P.V (E), 2 FLOPs each.
+    attention = 2 * (z + e) * mcfg.chunk_size / 2
+    return 6 * (mcfg.num_layers * block + head) + 3 * mcfg.num_layers * attention
+
+
+def build_trainer(
+    cfg: DictConfig, run_dir: Path, extra_callbacks: list | None = None, flops: float = 0.0
+) -> L.Trainer:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -146,7 +197,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, extra_callbacks: list | None =
     callbacks = [
         checkpoint,
         StepSeed(cfg.seed),
-        Throughput(t.log_every_n_steps),
+        Throughput(t.log_every_n_steps, flops, t.peak_tflops),
         GracefulStop(ckpt_dir / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
     ]
@@ -195,6 +246,7 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     dm.prepare_data()
     mcfg = model_config_for(cfg, dm)
+    apply_global_batch(cfg)
     module = build_module(
         cfg.task,
         mcfg,
@@ -205,7 +257,8 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     if cfg.trainer.compile:
         module.model = torch.compile(module.model)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
-    trainer = build_trainer(cfg, run_dir, extra_callbacks)
+    flops = flops_per_token(mcfg) if cfg.task == "lm" else 0.0
+    trainer = build_trainer(cfg, run_dir, extra_callbacks, flops)
     if trainer.logger is not None and resume_ckpt is None:
         trainer.logger.log_hyperparams(_flatten(module.run_config))
     data = ValWithTest(dm)

@@ -63,6 +63,10 @@ class TrainerSection:
     strategy: str = "auto"  # auto | ddp | fsdp
     precision: str = "32-true"  # 32-true | bf16-mixed | 64-true
     accumulate_grad_batches: int = 1
+    global_batch_tokens: int = (
+        0  # > 0: set accumulate_grad_batches = this / (batch * seq_len * devices * nodes)
+    )
+    peak_tflops: float = 0.0  # per-device peak for MFU logging (e.g. 989 for H100 bf16 dense); 0: no MFU
     val_check_interval: int = 500  # validate (and test) every N training batches
     limit_val_batches: float = 1.0  # fraction (<= 1.0) or number of batches
     limit_test_batches: float = 1.0
