@@ -1,0 +1,275 @@
+"""Shared language-model data machinery: memory-mapped token files, packed training sequences, streaming
+evaluation segments.
+
+Token files are raw little-endian arrays (``uint16`` when the vocabulary fits in 16 bits, else ``uint32``), the
+nanoGPT ``train.bin`` format: written once through :class:`TokenFileWriter` (to a temporary name, renamed on
+success, so an interrupted build never leaves a file that looks complete) and read back through
+:class:`TokenStream`, which opens its memory maps lazily in each process (a DataLoader worker pickles the
+path, never the mapped data).
+
+Batches (all ``int64``):
+
+- training: ``{"input": [B, L], "target": [B, L]}`` with ``target[:, i] = stream[start + i + 1]``;
+- streaming evaluation: ``{"input": [1, S], "target": [1, S], "first_segment": [1] bool}``, consecutive
+  segments of one document (or of a whole split for WikiText-103); ``first_segment`` is True where the model
+  must reset its streaming cache (SPEC §7) before the segment.
+
+Every target is a real token (no ``-100`` padding): packing leaves no gaps, and a short last segment is simply
+shorter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from datamodules.common import ResumableDataLoader, ResumableSampler
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id of a ``vocab_size`` vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class TokenFileWriter:
+    """Appends token arrays to ``path`` (raw ``dtype`` values); the file appears under its name only on
+    :meth:`close` after a clean exit of the ``with`` block."""
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        self._file = open(self._tmp, "wb")
+        self.num_tokens = 0
+
+    def write(self, tokens: np.ndarray | Sequence[int]) -> None:
+        array = np.asarray(tokens)
+        if array.size and (array.min() < 0 or array.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token ids outside [0, {np.iinfo(self.dtype).max}] for dtype {self.dtype}")
+        self._file.write(array.astype(self.dtype, copy=False).tobytes())
+        self.num_tokens += array.size
+
+    def close(self) -> None:
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Writes ``obj`` as JSON under a temporary name, then renames it: readers see all of it or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+class TokenStream:
+    """The concatenation of one or more token files as one read-only stream of ``length`` tokens."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike], dtype: np.dtype):
+        self.paths = [str(p) for p in paths]
+        self.dtype = np.dtype(dtype)
+        sizes = [os.path.getsize(p) // self.dtype.itemsize for p in self.paths]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # file k holds [o_k, o_k+1)
+        self.length = int(self.offsets[-1])
+        self._maps: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": None}
+
+    def _open(self) -> list[np.ndarray]:
+        if self._maps is None:
+            # np.memmap refuses empty files; an empty shard contributes an empty array.
+            self._maps = [
+                np.memmap(p, dtype=self.dtype, mode="r") if os.path.getsize(p) else np.empty(0, self.dtype)
+                for p in self.paths
+            ]
+        return self._maps
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` as ``int64``, crossing file boundaries where needed."""
+        if not 0 <= start <= stop <= self.length:
+            raise IndexError(f"token range [{start}, {stop}) outside a stream of {self.length} tokens")
+        maps = self._open()
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces = []
+        k = first
+        while start < stop:
+            local = start - int(self.offsets[k])
+            take = min(stop, int(self.offsets[k + 1])) - start
+            pieces.append(maps[k][local : local + take])
+            start += take
+            k += 1
+        if not pieces:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(pieces).astype(np.int64)
+
+
+class PackedSequences(Dataset):
+    """Non-overlapping training sequences of a packed stream: item ``i`` reads ``seq_len + 1`` tokens from
+    ``i * seq_len`` (so consecutive items share one token and every token after the first is a target once);
+    the tail shorter than a full item is dropped."""
+
+    def __init__(self, stream: TokenStream, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        self.stream = stream
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.stream) - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.seq_len
+        tokens = torch.from_numpy(self.stream.read(start, start + self.seq_len + 1))
+        return {"input": tokens[:-1], "target": tokens[1:]}
+
+
+class VariableLengthBatches(IterableDataset):
+    """Whole training batches whose length is a random multiple of ``chunk_size``: each batch draws
+    ``k ~ U{min_chunks..max_chunks}`` and reads ``batch_size`` windows of ``k * chunk_size + 1`` tokens at
+    uniform random positions of the stream (Mega's WikiText-103 recipe trains on 2–6 chunks).
+
+    Use with ``DataLoader(dataset, batch_size=None)``. Each rank yields ``num_batches`` batches per epoch,
+    split among the loader's workers; randomness is drawn from torch's global generator at the start of each
+    epoch (seeded by ``seed_everything``, and per worker by the DataLoader), mixed with ``seed`` and ``rank``
+    so that ranks differ.
+    """
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        batch_size: int,
+        chunk_size: int,
+        min_chunks: int,
+        max_chunks: int,
+        num_batches: int,
+        seed: int = 0,
+        rank: int = 0,
+    ):
+        if not 1 <= min_chunks <= max_chunks:
+            raise ValueError(f"need 1 <= min_chunks <= max_chunks, got {min_chunks}, {max_chunks}")
+        if max_chunks * chunk_size + 1 > len(stream):
+            raise ValueError(
+                f"max_chunks * chunk_size = {max_chunks * chunk_size} does not fit a stream of {len(stream)}"
+            )
+        self.stream = stream
+        self.batch_size = batch_size
+        self.chunk_size = chunk_size
+        self.min_chunks = min_chunks
+        self.max_chunks = max_chunks
+        self.num_batches = num_batches
+        self.seed = seed
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        count = self.num_batches // workers + (worker < self.num_batches % workers)
+        draw = int(torch.randint(0, 2**62, ()).item())
+        rng = np.random.default_rng([self.seed, self.rank, worker, draw])
+        for _ in range(count):
+            length = int(rng.integers(self.min_chunks, self.max_chunks + 1)) * self.chunk_size
+            starts = rng.integers(0, len(self.stream) - length, size=self.batch_size)
+            tokens = torch.from_numpy(np.stack([self.stream.read(s, s + length + 1) for s in starts]))
+            yield {"input": tokens[:, :-1], "target": tokens[:, 1:]}
+
+
+def mean_batches_per_epoch(num_tokens: int, batch_size: int, mean_len: float, world_size: int) -> int:
+    """Batches each rank draws so that an epoch reads about as many tokens as the stream holds."""
+    return max(1, math.floor(num_tokens / (batch_size * mean_len) / world_size))
+
+
+class StreamSegments(IterableDataset):
+    """Consecutive evaluation segments of documents, in order, for a model that carries a streaming cache.
+
+    ``documents`` lists ``(start, stop)`` token ranges of the stream. In a document of ``n`` tokens the first
+    token is context only (BOS, or WikiText-103's leading ``<eos>``): inputs are tokens ``[0, n - 1)``, targets
+    ``[1, n)``, cut into segments of at most ``segment_len`` tokens; the first segment of each document has
+    ``first_segment = True``. Iterable, so that Lightning never splits or reorders it across ranks: every
+    rank evaluates the whole split, and per-split totals are rank-local. Use with ``DataLoader(dataset,
+    batch_size=None, num_workers=0)``.
+    """
+
+    def __init__(self, stream: TokenStream, documents: Sequence[tuple[int, int]], segment_len: int):
+        if segment_len < 1:
+            raise ValueError(f"segment_len must be positive, got {segment_len}")
+        self.stream = stream
+        self.documents = [(int(a), int(b)) for a, b in documents if b - a >= 2]
+        self.segment_len = segment_len
+
+    def __len__(self) -> int:
+        return sum(math.ceil((b - a - 1) / self.segment_len) for a, b in self.documents)
+
+    @property
+    def num_targets(self) -> int:
+        """Tokens predicted over the whole split (every token of each document but its first)."""
+        return sum(b - a - 1 for a, b in self.documents)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if get_worker_info() is not None and get_worker_info().num_workers > 1:
+            raise RuntimeError("StreamSegments must be read in order by one process (num_workers=0 or 1)")
+        for start, stop in self.documents:
+            for a in range(start, stop - 1, self.segment_len):
+                b = min(a + self.segment_len, stop - 1)
+                tokens = torch.from_numpy(self.stream.read(a, b + 1))
+                yield {
+                    "input": tokens[None, :-1],
+                    "target": tokens[None, 1:],
+                    "first_segment": torch.tensor([a == start]),
+                }
+
+
+def loader_kwargs(num_workers: int) -> dict:
+    """DataLoader options shared by the LM datamodules' loaders."""
+    return {
+        "num_workers": num_workers,
+        "pin_memory": torch.cuda.is_available(),
+        "persistent_workers": num_workers > 0,
+    }
+
+
+def packed_train_loader(
+    dataset: Dataset, batch_size: int, num_workers: int, seed: int
+) -> ResumableDataLoader:
+    """Shuffled training batches whose order depends on ``(seed, epoch)`` only and whose position is saved in
+    Lightning checkpoints, so a run resumes mid-epoch exactly (an LM epoch can be the whole run)."""
+    sampler = ResumableSampler(len(dataset), seed=seed, shuffle=True)
+    return ResumableDataLoader(dataset, batch_size, sampler, drop_last=True, **loader_kwargs(num_workers))
+
+
+def trainer_rank(datamodule) -> tuple[int, int]:
+    """``(global_rank, world_size)`` of the trainer a datamodule is attached to; ``(0, 1)`` without one."""
+    trainer = getattr(datamodule, "trainer", None)
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)

@@ -1,0 +1,227 @@
+"""WikiText-103, word level (Merity et al. 2016), as Mega and Megalodon train on it.
+
+Layout (DATA.md): ``<data_dir>/wikitext-103/wiki.{train,valid,test}.tokens``, already tokenised, one paragraph
+per line; every line (blank ones included) ends with an ``<eos>`` token, as in fairseq. The vocabulary is
+every word of the training file, sorted by frequency, most frequent first (so adaptive-softmax cutoffs
+20000 / 60000 split it into frequency bands), ties broken alphabetically; it is cached as
+``<cache_dir>/vocab.txt`` (``word count`` per line, fairseq's ``dict.txt`` format) and each split as
+``<cache_dir>/<split>.bin`` (token ids, memory-mapped).
+
+Training: ``{"input": [B, L] int64, "target": [B, L] int64}`` where ``L = seq_len`` (non-overlapping blocks of
+the training stream, shuffled), or, when ``min_chunks``/``max_chunks`` are given, ``L`` a random multiple of
+``chunk_size`` per batch (Mega's 2–6 chunks). Evaluation (val = ``valid``, test = ``test``): the split as ONE
+stream, fed in order with batch size 1 as consecutive segments ``{"input": [1, S], "target": [1, S],
+"first_segment": [1] bool}`` (True only for the first segment), so the model carries its streaming cache
+across segments. The stream starts with an ``<eos>`` as context, so the targets are exactly the split's
+tokens and ``num_words[split]`` (= its token count, ``<eos>`` included) is the perplexity denominator:
+``ppl = exp(total NLL / num_words)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from datamodules.text_lm import (
+    PackedSequences,
+    StreamSegments,
+    TokenFileWriter,
+    TokenStream,
+    VariableLengthBatches,
+    loader_kwargs,
+    mean_batches_per_epoch,
+    packed_train_loader,
+    token_dtype,
+    trainer_rank,
+    write_json_atomic,
+)
+
+EOS = "<eos>"
+UNK = "<unk>"
+SPLIT_FILES = {"train": "wiki.train.tokens", "val": "wiki.valid.tokens", "test": "wiki.test.tokens"}
+SOURCE = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip (or Hugging Face Salesforce/wikitext)"
+
+
+def build_vocabulary(train_file: str | os.PathLike) -> list[tuple[str, int]]:
+    """``(word, count)`` for every word of the training file plus ``<eos>`` (one per line), by count
+    descending then alphabetically; ``<unk>`` is appended with count 0 if the file never uses it."""
+    counts: Counter[str] = Counter()
+    with open(train_file, encoding="utf-8") as f:
+        for line in tqdm(f, desc="wikitext-103 vocabulary", unit=" lines", mininterval=2):
+            counts.update(line.split())
+            counts[EOS] += 1
+    counts.setdefault(UNK, 0)
+    return sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))
+
+
+class WikiText103DataModule(L.LightningDataModule):
+    """WikiText-103 word-level language modelling; see the module docstring for the batch formats."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        seed: int = 0,
+        seq_len: int = 6144,
+        eval_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        min_chunks: int | None = None,
+        max_chunks: int | None = None,
+        cache_dir: str | None = None,
+    ):
+        """
+        Args:
+            data_dir: folder holding ``wikitext-103/``.
+            batch_size: training sequences per batch.
+            seed: training order (fixed length: resumable mid-epoch; variable length: mixed into the draws).
+            seq_len: training block length (tokens) when the length is fixed; 6144 = 3 chunks of 2048.
+            eval_seq_len: evaluation segment length (default ``seq_len``).
+            chunk_size, min_chunks, max_chunks: when both chunk counts are given, each training batch has
+                length ``k * chunk_size`` with ``k`` uniform in ``[min_chunks, max_chunks]`` (``seq_len`` unused).
+            cache_dir: where the vocabulary and token files go (default ``<data_dir>/cache/wikitext-103``).
+        """
+        super().__init__()
+        variable = min_chunks is not None or max_chunks is not None
+        if variable and (chunk_size is None or min_chunks is None or max_chunks is None):
+            raise ValueError(
+                "variable-length training needs chunk_size, min_chunks and max_chunks together, got "
+                f"chunk_size={chunk_size}, min_chunks={min_chunks}, max_chunks={max_chunks}"
+            )
+        self.data_dir = Path(data_dir)
+        self.root = self.data_dir / "wikitext-103"
+        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache" / "wikitext-103"
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.seq_len = seq_len
+        self.eval_seq_len = eval_seq_len or seq_len
+        self.chunk_size = chunk_size
+        self.chunks = (min_chunks, max_chunks) if variable else None
+        self._vocab: list[str] | None = None
+        self.num_words: dict[str, int] = {}
+        self.streams: dict[str, TokenStream] = {}
+
+    # ------------------------------------------------------------------ cache
+    def _check_layout(self) -> None:
+        missing = [name for name in SPLIT_FILES.values() if not (self.root / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"WikiText-103 not found: missing {', '.join(str(self.root / m) for m in missing)}. Expected "
+                f"{self.root}/wiki.{{train,valid,test}}.tokens (word level, 'wikitext-103' not the raw "
+                f"variant). Get it from {SOURCE} and unpack it into {self.data_dir}."
+            )
+
+    def _token_file(self, split: str) -> Path:
+        return self.cache_dir / f"{split}.bin"
+
+    def prepare_data(self) -> None:
+        """Builds the vocabulary and the token files once (idempotent; run on one process per node)."""
+        vocab = self.vocabulary
+        meta_path = self.cache_dir / "meta.json"
+        if meta_path.is_file():
+            return
+        index = {word: i for i, word in enumerate(vocab)}
+        unk = index[UNK]
+        eos = index[EOS]
+        dtype = token_dtype(len(vocab))
+        num_words = {}
+        for split, name in SPLIT_FILES.items():
+            with (
+                TokenFileWriter(self._token_file(split), dtype) as writer,
+                open(self.root / name, encoding="utf-8") as f,
+            ):
+                buffer: list[int] = []
+                for line in tqdm(f, desc=f"tokenising wikitext-103 {split}", unit=" lines", mininterval=2):
+                    buffer.extend(index.get(word, unk) for word in line.split())
+                    buffer.append(eos)
+                    if len(buffer) > 1 << 20:
+                        writer.write(np.asarray(buffer, dtype=np.int64))
+                        buffer.clear()
+                writer.write(np.asarray(buffer, dtype=np.int64))
+            num_words[split] = writer.num_tokens
+        write_json_atomic(meta_path, {"vocab_size": len(vocab), "dtype": dtype.name, "num_words": num_words})
+
+    @property
+    def vocabulary(self) -> list[str]:
+        """Words by frequency rank (index = token id); built from the training file on first use."""
+        if self._vocab is None:
+            self._check_layout()
+            path = self.cache_dir / "vocab.txt"
+            if not path.is_file():
+                counts = build_vocabulary(self.root / SPLIT_FILES["train"])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"vocab.txt.tmp{os.getpid()}")
+                tmp.write_text("".join(f"{w} {c}\n" for w, c in counts), encoding="utf-8")
+                os.replace(tmp, path)
+            with open(path, encoding="utf-8") as f:
+                self._vocab = [line.split(" ")[0] for line in f]
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocabulary)
+
+    @property
+    def eos_id(self) -> int:
+        return self.vocabulary.index(EOS)
+
+    # ------------------------------------------------------------------ Lightning
+    def setup(self, stage: str | None = None) -> None:
+        self.prepare_data()
+        meta = json.loads((self.cache_dir / "meta.json").read_text())
+        self.num_words = meta["num_words"]
+        dtype = np.dtype(meta["dtype"])
+        self.streams = {split: TokenStream([self._token_file(split)], dtype) for split in SPLIT_FILES}
+
+    def train_dataloader(self) -> DataLoader:
+        stream = self.streams["train"]
+        if self.chunks is None:
+            return packed_train_loader(
+                PackedSequences(stream, self.seq_len), self.batch_size, self.num_workers, self.seed
+            )
+        rank, world_size = trainer_rank(self)
+        lo, hi = self.chunks
+        num_batches = mean_batches_per_epoch(
+            len(stream), self.batch_size, (lo + hi) / 2 * self.chunk_size, world_size
+        )
+        dataset = VariableLengthBatches(
+            stream, self.batch_size, self.chunk_size, lo, hi, num_batches, seed=self.seed, rank=rank
+        )
+        return DataLoader(dataset, batch_size=None, **loader_kwargs(self.num_workers))
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        # A leading <eos> (the end of the "previous line") is the context of token 0, so that every token of
+        # the split is a target and the targets number exactly num_words[split].
+        stream = _PrefixedStream(self.streams[split], self.eos_id)
+        dataset = StreamSegments(stream, [(0, len(stream))], self.eval_seq_len)
+        return DataLoader(dataset, batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+
+class _PrefixedStream:
+    """A :class:`TokenStream` with one extra token in front (the ``<eos>`` that gives token 0 a context)."""
+
+    def __init__(self, stream: TokenStream, first: int):
+        self.stream = stream
+        self.first = first
+
+    def __len__(self) -> int:
+        return len(self.stream) + 1
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if start > 0:
+            return self.stream.read(start - 1, stop - 1)
+        return np.concatenate([np.array([self.first], dtype=np.int64), self.stream.read(0, stop - 1)])
