@@ -33,9 +33,32 @@ def to_reference(model: nn.Module) -> OrderedDict[str, Tensor]:
     return OrderedDict((_strip(k), v.detach()) for k, v in model.state_dict().items())
 
 
+# The release keeps RoPE's inverse frequencies as a buffer; ours are computed from model.rope_base.
+_DERIVED = ("rope.freqs",)
+
+
+def _check_rope(freqs: Tensor, model: nn.Module | None) -> None:
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or freqs.dim() != 1:
+        return
+    d = cfg.z_dim // cfg.num_heads
+    ours = cfg.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if freqs.numel() == ours.numel() and not torch.allclose(freqs.double(), ours, rtol=1e-4):
+        raise ValueError(
+            f"checkpoint rope.freqs do not match model.rope_base={cfg.rope_base}; set rope_base to the "
+            "checkpoint's base (the paper's 7B used 100000)"
+        )
+
+
 def from_reference(state_dict: dict[str, Tensor], model: nn.Module | None = None) -> OrderedDict[str, Tensor]:
-    """A reference-format state dict -> ours. With ``model``, check every key and shape against it."""
+    """A reference-format state dict -> ours. With ``model``, check every key and shape against it.
+
+    Buffers the release stores but we derive from the config (``rope.freqs``) are checked and dropped.
+    """
     out = OrderedDict((_strip(k), v) for k, v in state_dict.items())
+    for key in _DERIVED:
+        if key in out:
+            _check_rope(out.pop(key), model)
     if model is not None:
         expected = model.state_dict()
         missing = sorted(set(expected) - set(out))

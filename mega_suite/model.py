@@ -27,6 +27,13 @@ from mega_suite.config import MegalodonConfig
 NormState = tuple[Tensor, Tensor, Tensor]
 
 
+def init_all(root: nn.Module) -> None:
+    """Call every ``reset_parameters`` children first, so a parent's own initialisation wins."""
+    for module in reversed(list(root.modules())):
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
 def init_linear(linear: nn.Linear) -> None:
     """Kaiming normal, a = sqrt(5), fan-in: N(0, 1 / (3 fan_in)); bias 0."""
     nn.init.kaiming_normal_(linear.weight, a=math.sqrt(5))
@@ -185,6 +192,15 @@ def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
 
 
 @dataclass
+class NormWindow:
+    """Windowed-statistics mode (SPEC §7): the norm state at the start of the current chunk and the
+    statistics of the most recent complete chunks."""
+
+    start: NormState
+    chunks: list = field(default_factory=list)
+
+
+@dataclass
 class LayerCache:
     """Streaming state of one block: TimestepNorm statistics, CEMA state, KV of the unfinished chunk."""
 
@@ -192,7 +208,7 @@ class LayerCache:
     cema: Tensor  # [B, D, N] complex
     k: Tensor | None = None  # [B, n < C, h, Z/h]
     v: Tensor | None = None  # [B, n < C, h, E/h]
-    chunk_norms: list = field(default_factory=list)  # windowed-statistics mode: per-chunk norm states
+    window: NormWindow | None = None  # windowed-statistics mode only
 
 
 class MegalodonAttention(nn.Module):
@@ -268,7 +284,7 @@ class MegalodonAttention(nn.Module):
             if cache is not None:
                 tail = length % c  # keys of the unfinished last chunk stay cached
                 kc, vc = (k[:, length - tail :], v[:, length - tail :]) if tail else (None, None)
-                new_cache = LayerCache(norm_state, h_last, kc, vc, cache.chunk_norms)
+                new_cache = LayerCache(norm_state, h_last, kc, vc, cache.window)
         else:
             if offset + length > c:
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
@@ -279,7 +295,7 @@ class MegalodonAttention(nn.Module):
             o = attention_with_cache(q, kc, vc, offset)
             full = offset + length == c
             new_cache = LayerCache(
-                norm_state, h_last, None if full else kc, None if full else vc, cache.chunk_norms
+                norm_state, h_last, None if full else kc, None if full else vc, cache.window
             )
         o = o.reshape(*o.shape[:2], -1)
         gated = F.dropout(o * r, cfg.hidden_dropout, self.training)
@@ -353,6 +369,7 @@ class StreamingCache:
     layers: list[LayerCache]
     final_norm: NormState
     window_stats: bool = False  # replace norm statistics by the last 6 chunks once 8 have been seen
+    final_window: NormWindow | None = None
 
     def memory_bytes(self) -> int:
         tensors = [t for lc in self.layers for t in (*lc.norm, lc.cema, lc.k, lc.v) if t is not None]
@@ -458,12 +475,14 @@ class MegalodonLM(nn.Module):
             std = self.cfg.model_dim**-0.5
             nn.init.trunc_normal_(self.embed.weight, 0.0, std, -3 * std, 3 * std)
 
+    def tie_weights(self) -> None:
+        if self.cfg.share_emb and not self.adaptive:
+            self.output.output.weight = self.embed.weight
+
     def init_weights(self) -> None:
         """Re-initialise every parameter and buffer (after ``to_empty`` from the meta device)."""
-        for module in self.modules():
-            if hasattr(module, "reset_parameters") and module is not self:
-                module.reset_parameters()
-        self.reset_parameters()
+        self.tie_weights()  # to_empty() unties shared parameters
+        init_all(self)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = self.output.output.embed(tokens) if self.adaptive else self.embed(tokens)
@@ -510,8 +529,10 @@ class MegalodonLM(nn.Module):
             cema_mod = layer.mega.cema
             ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64
             h = torch.zeros(batch, self.cfg.model_dim, self.cfg.cema_ndim, dtype=ctype, device=ref.device)
-            layers.append(LayerCache(layer.mega.timenorm.initial_state(batch), h))
-        return StreamingCache(0, layers, self.output.final_norm.initial_state(batch), window_stats)
+            norm = layer.mega.timenorm.initial_state(batch)
+            layers.append(LayerCache(norm, h, window=NormWindow(norm) if window_stats else None))
+        final = self.output.final_norm.initial_state(batch)
+        return StreamingCache(0, layers, final, window_stats, NormWindow(final) if window_stats else None)
 
     def forward(
         self, tokens: Tensor, cache: StreamingCache | None = None, use_cache: bool = False
@@ -539,7 +560,8 @@ class MegalodonLM(nn.Module):
             out, cache = self._stream_piece(tokens[:, piece], cache)
             outs.append(out)
         if not outs:
-            return tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim, dtype=torch.float32), cache
+            dtype = self.output.final_norm.weight.dtype
+            return tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim, dtype=dtype), cache
         return torch.cat(outs, 1), cache
 
     def _pieces(self, length: int, cache: StreamingCache) -> list[slice]:
@@ -568,23 +590,27 @@ class MegalodonLM(nn.Module):
             new_layers.append(lc)
         x, final_state = self.output.final_norm(x, cache.final_norm)
         end = pos + tokens.shape[1]
-        new = StreamingCache(end, new_layers, final_state, cache.window_stats)
+        new = StreamingCache(end, new_layers, final_state, cache.window_stats, cache.final_window)
         if cache.window_stats and end % self.cfg.chunk_size == 0:
-            self._window_statistics(cache, new)
+            self._window_statistics(new)
         return x, new
 
-    def _window_statistics(self, old: StreamingCache, new: StreamingCache) -> None:
-        """At a chunk boundary: remember this chunk's statistics; after 8 chunks keep the last 6 only."""
-        chunks_seen = new.position // self.cfg.chunk_size
-        pairs = [(o.norm, n) for o, n in zip(old.layers, new.layers)]
-        for old_norm, lc in pairs:
-            history = lc.chunk_norms + [_unmerge(lc.norm, old_norm)]
-            lc.chunk_norms = history[-WINDOW_CHUNKS:]
+    def _window_statistics(self, cache: StreamingCache) -> None:
+        """At a chunk boundary: record this chunk's statistics; once 8 chunks have been seen, every norm
+        (the blocks' and the final one) continues from the statistics of the last 6 chunks only."""
+        chunks_seen = cache.position // self.cfg.chunk_size
+
+        def advance(state: NormState, window: NormWindow) -> tuple[NormState, NormWindow]:
+            chunks = (window.chunks + [_unmerge(state, window.start)])[-WINDOW_CHUNKS:]
             if chunks_seen >= WINDOW_AFTER:
-                merged = lc.chunk_norms[0]
-                for s in lc.chunk_norms[1:]:
-                    merged = merge_norm_states(merged, s)
-                lc.norm = merged
+                state = chunks[0]
+                for s in chunks[1:]:
+                    state = merge_norm_states(state, s)
+            return state, NormWindow(state, chunks)
+
+        for lc in cache.layers:
+            lc.norm, lc.window = advance(lc.norm, lc.window)
+        cache.final_norm, cache.final_window = advance(cache.final_norm, cache.final_window)
 
     @torch.no_grad()
     def generate(
@@ -721,9 +747,8 @@ class MegalodonClassifier(nn.Module):
         self.gradient_checkpointing = False
 
     def init_weights(self) -> None:
-        for module in self.modules():
-            if hasattr(module, "reset_parameters") and module is not self:
-                module.reset_parameters()
+        """Re-initialise every parameter and buffer (after ``to_empty`` from the meta device)."""
+        init_all(self)
 
     def encode(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """Inputs -> pooled features [B, D] (masked mean over valid steps)."""

@@ -268,7 +268,8 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
         except NonFiniteLossError as exc:
             print(f"[mega-suite] {exc}", file=sys.stderr)
             raise
-        if not trainer.interrupted:
+        stopped = any(isinstance(cb, GracefulStop) and cb.requested for cb in trainer.callbacks)
+        if not trainer.interrupted and not stopped:  # a graceful stop saved mid-epoch already: keep that
             trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     elif cfg.mode in ("validate", "test"):
