@@ -1,0 +1,36 @@
+"""LightningDataModules of the suite, by name: readers of published on-disk layouts (see DATA.md)."""
+
+from .imagenet import ImageNetDataModule
+from .lra import (
+    AANRetrievalDataModule,
+    CIFAR10GrayDataModule,
+    IMDBTextDataModule,
+    ListOpsDataModule,
+    PathfinderDataModule,
+    PathXDataModule,
+)
+from .pg19 import PG19DataModule
+from .pretrain import PretrainDataModule
+from .speech import SpeechCommandsDataModule
+from .wikitext import WikiText103DataModule
+
+DATAMODULES = {
+    "listops": ListOpsDataModule,
+    "lra_text": IMDBTextDataModule,
+    "lra_retrieval": AANRetrievalDataModule,
+    "lra_image": CIFAR10GrayDataModule,
+    "lra_pathfinder": PathfinderDataModule,
+    "lra_pathx": PathXDataModule,
+    "sc_raw": SpeechCommandsDataModule,
+    "imagenet": ImageNetDataModule,
+    "wt103": WikiText103DataModule,
+    "pg19": PG19DataModule,
+    "pretrain": PretrainDataModule,
+}
+
+
+def build_datamodule(name: str, **kwargs):
+    """Instantiate the datamodule registered as ``name`` with keyword arguments ``kwargs``."""
+    if name not in DATAMODULES:
+        raise KeyError(f"unknown datamodule {name!r}; valid names: {', '.join(sorted(DATAMODULES))}")
+    return DATAMODULES[name](**kwargs)
