@@ -213,12 +213,11 @@ class CausalLM(MegalodonModule):
 
     def _log_totals(self) -> None:
         num_words = getattr(self.trainer.datamodule, "num_words", None) or {}
-        for idx, (nll, count) in sorted(self._totals.items()):
+        for idx, (nll, count, streaming) in sorted(self._totals.items()):
             stage = STAGES[idx]
             total = torch.tensor([nll, float(count)], dtype=torch.float64, device=self.device)
-            total = (
-                self.trainer.strategy.reduce(total, reduce_op="sum") if self.trainer.world_size > 1 else total
-            )
+            if self.trainer.world_size > 1 and not streaming:
+                total = self.trainer.strategy.reduce(total, reduce_op="sum")
             nll_sum, tokens = float(total[0]), max(1.0, float(total[1]))
             loss = nll_sum / tokens
             self.log(f"{stage}/loss", loss, prog_bar=stage == "val", rank_zero_only=True)

@@ -42,7 +42,9 @@ def listops_dir(tmp_path_factory) -> Path:
 
 
 def tiny_config(listops_dir: Path, run_root: Path, *extra: str):
-    return load_config(["recipe=debug", f"data.data_dir={listops_dir}", f"run_root={run_root}", *TINY, *extra])
+    return load_config(
+        ["recipe=debug", f"data.data_dir={listops_dir}", f"run_root={run_root}", *TINY, *extra]
+    )
 
 
 def test_config_errors_name_key_value_and_suggestions():
@@ -128,7 +130,9 @@ def test_sigterm_saves_a_checkpoint_and_exits(listops_dir, tmp_path):
     args = [sys.executable, str(ROOT / "run.py"), "recipe=debug", f"data.data_dir={listops_dir}"]
     args += [f"run_root={tmp_path}", *TINY, "trainer.max_steps=100000", "trainer.val_check_interval=100000"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 120
     seen = ""
     while time.time() < deadline:
