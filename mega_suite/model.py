@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import attention_with_cache, cema, cema_coefficients, chunk_attention, group_norm, timestep_norm
-from kernels.timestep_norm import merge_norm_states
+from kernels.attention import attention_with_cache, chunk_attention
+from kernels.cema import cema, cema_coefficients
+from kernels.timestep_norm import group_norm, merge_norm_states, timestep_norm
 from mega_suite.config import MegalodonConfig
 
 NormState = tuple[Tensor, Tensor, Tensor]

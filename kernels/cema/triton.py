@@ -1,0 +1,703 @@
+"""Fused CEMA in Triton (SPEC §2): a chunked scan over time, forward and backward.
+
+Per batch row b and channel d, with N complex components, x the input with padded steps zeroed:
+
+    h_t = p x_t + q h_{t-1}                      h_{-1} = h0 (zero unless a state is carried)
+    y_t = Re(Σ_n γ_n h_{t,n}) + ω x_t
+
+Complex numbers are (real, imaginary) pairs of float32 registers; the state is float32 whatever x's dtype.
+The sequence is cut into chunks of T steps; one program owns (chunk, block of BD channels, batch row) and
+runs the recurrence step by step with its [BD, N] state in registers, so every chunk works in parallel.
+Chunks are tied together by their start states (SPEC §8: h ← q^T h + h_local), powers as exp(T log q):
+
+forward
+  1. ``_fwd_local_state``   H_c = Σ_j q^{T_c-1-j} p x_j, the chunk's end state from a zero start
+  2. ``_fwd_state_passing`` sequential over chunks: h_start[c+1] = q^T h_start[c] + H_c (in place),
+                            h_last = q^{T_last} h_start[last] + H_last
+  3. ``_fwd_output``        each chunk re-runs the recurrence from h_start and writes y
+
+backward, with gy = ∂L/∂y, G_last = ∂L/∂h_last and PyTorch's convention for complex gradients
+(G_z = ∂L/∂Re z + i ∂L/∂Im z, i.e. 2 ∂L/∂z̄):
+  adjoint    a_t = G_{h_t} = conj(γ) gy_t + conj(q) a_{t+1} (+ G_last at t = L-1), run in reverse time;
+             dx_t = Σ_n p_n Re(a_{t,n}) + ω gy_t,  G_p = Σ_t Re(a_t) x_t,  G_h0 = conj(q) a_0
+  tangent    D_t = ∂h_t/∂q = h_{t-1} + q D_{t-1}, run forward next to h:
+             G_q = conj(γ) Σ_t gy_t conj(D_t) + conj(D_{L-1}) G_last,  G_γ = Σ_t gy_t conj(h_t),
+             G_ω = Σ_t gy_t x_t
+  (the tangent avoids needing h_{t-1} and a_t at the same step: h cannot be run backwards stably.)
+  4. ``_bwd_local_state``   per chunk, from zero: the adjoint at the chunk's first step, and D at its end
+  5. ``_bwd_state_passing`` sequential over chunks: the adjoint carried into each chunk from the right
+                            (reverse), D at each chunk start (forward: D ← q^T D + T q^{T-1} h_start + D_loc)
+  6. ``_bwd_main``          per chunk: the adjoint (dx, G_p) and then h, D (G_q, G_γ, G_ω) from the carries
+
+Parameter gradients are per-program partial sums in [B·chunks, D, N] buffers, summed afterwards by
+``torch.sum`` in a fixed order (no atomics: runs are bitwise reproducible). Bidirectional CEMA runs the
+same kernels on the reversed time axis (``REVERSE``) with the second parameter set and ω = 0, adding
+into y and dx.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["CEMAFunction", "cema"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+STEPS = 16  # time steps per loaded tile: one [BD, 16] load, issued a tile ahead of its use
+
+
+@triton.jit
+def _block_offsets(pd, D, N, BD: tl.constexpr, BN: tl.constexpr):
+    offs_d = pd * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    mask_d = offs_d < D
+    mask = mask_d[:, None] & (offs_n[None, :] < N)
+    coef = offs_d[:, None] * N + offs_n[None, :]
+    return offs_d, mask_d, mask, coef
+
+
+@triton.jit
+def _load_steps(
+    row_ptr, pad_row, tau, DIR: tl.constexpr, lo, hi, L, D, mask_d,
+    REVERSE: tl.constexpr, HAS_PAD: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """[BD, S] float32 tile whose column j is step tau + DIR * j of the scan, zero outside [lo, hi) and at
+    padding. row_ptr: [BD] pointers to time 0 of this batch row's channels. One wide load per S steps
+    keeps many bytes in flight; a per-step [BD] load would leave the scan waiting on memory latency."""
+    tau_j = tau + DIR * tl.arange(0, S)
+    ok = (tau_j >= lo) & (tau_j < hi)
+    if REVERSE:
+        t_j = L - 1 - tau_j
+    else:
+        t_j = tau_j
+    t_j = t_j.to(tl.int64)
+    tile = tl.load(row_ptr[:, None] + t_j[None, :] * D, mask=mask_d[:, None] & ok[None, :], other=0.0)
+    tile = tile.to(tl.float32)
+    if HAS_PAD:
+        pad = tl.load(pad_row + t_j, mask=ok, other=0)
+        tile = tl.where(pad[None, :] != 0, 0.0, tile)
+    return tile
+
+
+@triton.jit
+def _columns(tile, BD: tl.constexpr):
+    """The 16 columns of a [BD, 16] tile as [BD] tensors, in order (a tree of even / odd splits: registers
+    cannot be indexed by a loop variable)."""
+    e, o = tl.split(tl.reshape(tile, [BD, 8, 2]))  # columns 0 2 .. 14 | 1 3 .. 15
+    ee, eo = tl.split(tl.reshape(e, [BD, 4, 2]))  # 0 4 8 12 | 2 6 10 14
+    oe, oo = tl.split(tl.reshape(o, [BD, 4, 2]))  # 1 5 9 13 | 3 7 11 15
+    c0_8, c4_12 = tl.split(tl.reshape(ee, [BD, 2, 2]))
+    c2_10, c6_14 = tl.split(tl.reshape(eo, [BD, 2, 2]))
+    c1_9, c5_13 = tl.split(tl.reshape(oe, [BD, 2, 2]))
+    c3_11, c7_15 = tl.split(tl.reshape(oo, [BD, 2, 2]))
+    c0, c8 = tl.split(c0_8)
+    c4, c12 = tl.split(c4_12)
+    c2, c10 = tl.split(c2_10)
+    c6, c14 = tl.split(c6_14)
+    c1, c9 = tl.split(c1_9)
+    c5, c13 = tl.split(c5_13)
+    c3, c11 = tl.split(c3_11)
+    c7, c15 = tl.split(c7_15)
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_local_state(
+    x_ptr, pad_ptr, p_ptr, qr_ptr, qi_ptr, sr_ptr, si_ptr,
+    L, D, N, NC, T,
+    REVERSE: tl.constexpr, HAS_PAD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """sr/si[b, c] = Σ_j q^{T_c-1-j} p x_j over chunk c (zero start)."""
+    c, pd, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_d, mask_d, mask, coef = _block_offsets(pd, D, N, BD, BN)
+    b64 = b.to(tl.int64)
+    x_row = x_ptr + b64 * L * D + offs_d
+    pad_row = pad_ptr + b64 * L
+    p = tl.load(p_ptr + coef, mask=mask, other=0.0)
+    qr = tl.load(qr_ptr + coef, mask=mask, other=0.0)
+    qi = tl.load(qi_ptr + coef, mask=mask, other=0.0)
+    hr = tl.zeros([BD, BN], dtype=tl.float32)
+    hi = tl.zeros([BD, BN], dtype=tl.float32)
+    tau0 = c * T
+    tc = tl.minimum(T, L - tau0)
+    x_next = _load_steps(x_row, pad_row, tau0, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+    for blk in range(tl.cdiv(tc, S)):
+        xs = _columns(x_next, BD)
+        x_next = _load_steps(
+            x_row, pad_row, tau0 + (blk + 1) * S, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S
+        )
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                x = xs[j][:, None]
+                hr, hi = qr * hr - qi * hi + p * x, qr * hi + qi * hr
+    st = (b64 * NC + c) * D * N + coef
+    tl.store(sr_ptr + st, hr, mask=mask)
+    tl.store(si_ptr + st, hi, mask=mask)
+
+
+@triton.jit
+def _fwd_state_passing(
+    sr_ptr, si_ptr, h0r_ptr, h0i_ptr, hlr_ptr, hli_ptr, pow_ptr,
+    L, DN, NC, T,
+    HAS_H0: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """In place: chunk end states from zero -> chunk start states; h_last out. Flat over (d, n)."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < DN
+    qtr = tl.load(pow_ptr + offs, mask=mask, other=0.0)  # q^T
+    qti = tl.load(pow_ptr + DN + offs, mask=mask, other=0.0)
+    qlr = tl.load(pow_ptr + 4 * DN + offs, mask=mask, other=0.0)  # q^{T_last}
+    qli = tl.load(pow_ptr + 5 * DN + offs, mask=mask, other=0.0)
+    if HAS_H0:
+        hr = tl.load(h0r_ptr + b * DN + offs, mask=mask, other=0.0)
+        hi = tl.load(h0i_ptr + b * DN + offs, mask=mask, other=0.0)
+    else:
+        hr = tl.zeros([BLOCK], dtype=tl.float32)
+        hi = tl.zeros([BLOCK], dtype=tl.float32)
+    base = b.to(tl.int64) * NC * DN + offs
+    for c in range(NC - 1):
+        ptr = base + c * DN
+        loc_r = tl.load(sr_ptr + ptr, mask=mask, other=0.0)
+        loc_i = tl.load(si_ptr + ptr, mask=mask, other=0.0)
+        tl.store(sr_ptr + ptr, hr, mask=mask)
+        tl.store(si_ptr + ptr, hi, mask=mask)
+        hr, hi = qtr * hr - qti * hi + loc_r, qtr * hi + qti * hr + loc_i
+    ptr = base + (NC - 1) * DN
+    loc_r = tl.load(sr_ptr + ptr, mask=mask, other=0.0)
+    loc_i = tl.load(si_ptr + ptr, mask=mask, other=0.0)
+    tl.store(sr_ptr + ptr, hr, mask=mask)
+    tl.store(si_ptr + ptr, hi, mask=mask)
+    tl.store(hlr_ptr + b * DN + offs, qlr * hr - qli * hi + loc_r, mask=mask)
+    tl.store(hli_ptr + b * DN + offs, qlr * hi + qli * hr + loc_i, mask=mask)
+
+
+@triton.jit
+def _fwd_output(
+    x_ptr, pad_ptr, y_ptr, p_ptr, qr_ptr, qi_ptr, gr_ptr, gi_ptr, om_ptr, sr_ptr, si_ptr,
+    L, D, N, NC, T,
+    REVERSE: tl.constexpr, HAS_PAD: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BD: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """y_t = Re(Σ_n γ h_t) + ω x_t over chunk c, the recurrence started from h_start[c]."""
+    c, pd, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_d, mask_d, mask, coef = _block_offsets(pd, D, N, BD, BN)
+    b64 = b.to(tl.int64)
+    x_row = x_ptr + b64 * L * D + offs_d
+    pad_row = pad_ptr + b64 * L
+    y_row = y_ptr + b64 * L * D + offs_d
+    p = tl.load(p_ptr + coef, mask=mask, other=0.0)
+    qr = tl.load(qr_ptr + coef, mask=mask, other=0.0)
+    qi = tl.load(qi_ptr + coef, mask=mask, other=0.0)
+    gr = tl.load(gr_ptr + coef, mask=mask, other=0.0)
+    gi = tl.load(gi_ptr + coef, mask=mask, other=0.0)
+    om = tl.load(om_ptr + offs_d, mask=mask_d, other=0.0)
+    st = (b64 * NC + c) * D * N + coef
+    hr = tl.load(sr_ptr + st, mask=mask, other=0.0)
+    hi = tl.load(si_ptr + st, mask=mask, other=0.0)
+    tau0 = c * T
+    tc = tl.minimum(T, L - tau0)
+    x_next = _load_steps(x_row, pad_row, tau0, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+    for blk in range(tl.cdiv(tc, S)):
+        xs = _columns(x_next, BD)
+        x_next = _load_steps(
+            x_row, pad_row, tau0 + (blk + 1) * S, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S
+        )
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                x = xs[j]
+                hr, hi = qr * hr - qi * hi + p * x[:, None], qr * hi + qi * hr
+                y = tl.sum(gr * hr - gi * hi, axis=1) + om * x
+                t = tau0 + blk * S + j
+                if REVERSE:
+                    t = L - 1 - t
+                if ACCUMULATE:
+                    y += tl.load(y_row + t * D, mask=mask_d, other=0.0).to(tl.float32)
+                tl.store(y_row + t * D, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_local_state(
+    x_ptr, pad_ptr, gy_ptr, p_ptr, qr_ptr, qi_ptr, gr_ptr, gi_ptr, ar_ptr, ai_ptr, dr_ptr, di_ptr,
+    L, D, N, NC, T,
+    REVERSE: tl.constexpr, HAS_PAD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """Per chunk from zero: the adjoint at its first step (ar/ai) and the q-tangent D at its end (dr/di)."""
+    c, pd, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_d, mask_d, mask, coef = _block_offsets(pd, D, N, BD, BN)
+    b64 = b.to(tl.int64)
+    x_row = x_ptr + b64 * L * D + offs_d
+    pad_row = pad_ptr + b64 * L
+    gy_row = gy_ptr + b64 * L * D + offs_d
+    p = tl.load(p_ptr + coef, mask=mask, other=0.0)
+    qr = tl.load(qr_ptr + coef, mask=mask, other=0.0)
+    qi = tl.load(qi_ptr + coef, mask=mask, other=0.0)
+    gr = tl.load(gr_ptr + coef, mask=mask, other=0.0)
+    gi = tl.load(gi_ptr + coef, mask=mask, other=0.0)
+    tau0 = c * T
+    tc = tl.minimum(T, L - tau0)
+    tau_end = tau0 + tc - 1
+    # reverse: a_i = conj(γ) gy_i + s, s = conj(q) a_{i+1}
+    ar = tl.zeros([BD, BN], dtype=tl.float32)
+    ai = tl.zeros([BD, BN], dtype=tl.float32)
+    sr = tl.zeros([BD, BN], dtype=tl.float32)
+    si = tl.zeros([BD, BN], dtype=tl.float32)
+    g_next = _load_steps(gy_row, pad_row, tau_end, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S)
+    for blk in range(tl.cdiv(tc, S)):
+        gs = _columns(g_next, BD)
+        g_next = _load_steps(
+            gy_row, pad_row, tau_end - (blk + 1) * S, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S
+        )
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                g = gs[j][:, None]
+                ar, ai = gr * g + sr, si - gi * g
+                sr, si = qr * ar + qi * ai, qr * ai - qi * ar
+    st = (b64 * NC + c) * D * N + coef
+    tl.store(ar_ptr + st, ar, mask=mask)
+    tl.store(ai_ptr + st, ai, mask=mask)
+    # forward: D_i = h_{i-1} + q D_{i-1}, h_i = q h_{i-1} + p x_i
+    hr = tl.zeros([BD, BN], dtype=tl.float32)
+    hi = tl.zeros([BD, BN], dtype=tl.float32)
+    dr = tl.zeros([BD, BN], dtype=tl.float32)
+    di = tl.zeros([BD, BN], dtype=tl.float32)
+    x_next = _load_steps(x_row, pad_row, tau0, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+    for blk in range(tl.cdiv(tc, S)):
+        xs = _columns(x_next, BD)
+        x_next = _load_steps(
+            x_row, pad_row, tau0 + (blk + 1) * S, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S
+        )
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                x = xs[j][:, None]
+                dr, di = hr + qr * dr - qi * di, hi + qr * di + qi * dr
+                hr, hi = qr * hr - qi * hi + p * x, qr * hi + qi * hr
+    tl.store(dr_ptr + st, dr, mask=mask)
+    tl.store(di_ptr + st, di, mask=mask)
+
+
+@triton.jit
+def _bwd_state_passing(
+    ar_ptr, ai_ptr, dr_ptr, di_ptr, sr_ptr, si_ptr, ghr_ptr, ghi_ptr, pow_ptr, qr_ptr, qi_ptr,
+    gh0r_ptr, gh0i_ptr, gqr_ptr, gqi_ptr,
+    L, DN, NC, T,
+    HAS_GLAST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """In place: local adjoints -> adjoint carried into each chunk from the right (ar/ai), local tangents
+    -> tangent at each chunk start (dr/di). Out: G_h0 and conj(D_{L-1}) G_last per batch row."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < DN
+    qr = tl.load(qr_ptr + offs, mask=mask, other=0.0)
+    qi = tl.load(qi_ptr + offs, mask=mask, other=0.0)
+    t_last = L - (NC - 1) * T
+    qtr = tl.load(pow_ptr + offs, mask=mask, other=0.0)  # q^T
+    qti = tl.load(pow_ptr + DN + offs, mask=mask, other=0.0)
+    qt1r = tl.load(pow_ptr + 2 * DN + offs, mask=mask, other=0.0)  # q^{T-1}
+    qt1i = tl.load(pow_ptr + 3 * DN + offs, mask=mask, other=0.0)
+    qlr = tl.load(pow_ptr + 4 * DN + offs, mask=mask, other=0.0)  # q^{T_last}
+    qli = tl.load(pow_ptr + 5 * DN + offs, mask=mask, other=0.0)
+    ql1r = tl.load(pow_ptr + 6 * DN + offs, mask=mask, other=0.0)  # q^{T_last-1}
+    ql1i = tl.load(pow_ptr + 7 * DN + offs, mask=mask, other=0.0)
+    if HAS_GLAST:
+        glr = tl.load(ghr_ptr + b * DN + offs, mask=mask, other=0.0)
+        gli = tl.load(ghi_ptr + b * DN + offs, mask=mask, other=0.0)
+    else:
+        glr = tl.zeros([BLOCK], dtype=tl.float32)
+        gli = tl.zeros([BLOCK], dtype=tl.float32)
+    base = b.to(tl.int64) * NC * DN + offs
+
+    # adjoint, right to left: a_first = a_loc + conj(q)^{T_c-1} s ; next s = conj(q) a_first
+    ptr = base + (NC - 1) * DN
+    loc_r = tl.load(ar_ptr + ptr, mask=mask, other=0.0)
+    loc_i = tl.load(ai_ptr + ptr, mask=mask, other=0.0)
+    tl.store(ar_ptr + ptr, glr, mask=mask)
+    tl.store(ai_ptr + ptr, gli, mask=mask)
+    fr, fi = loc_r + ql1r * glr + ql1i * gli, loc_i + ql1r * gli - ql1i * glr
+    sr, si = qr * fr + qi * fi, qr * fi - qi * fr
+    for j in range(NC - 1):
+        ptr = base + (NC - 2 - j) * DN
+        loc_r = tl.load(ar_ptr + ptr, mask=mask, other=0.0)
+        loc_i = tl.load(ai_ptr + ptr, mask=mask, other=0.0)
+        tl.store(ar_ptr + ptr, sr, mask=mask)
+        tl.store(ai_ptr + ptr, si, mask=mask)
+        fr, fi = loc_r + qt1r * sr + qt1i * si, loc_i + qt1r * si - qt1i * sr
+        sr, si = qr * fr + qi * fi, qr * fi - qi * fr
+    tl.store(gh0r_ptr + b * DN + offs, sr, mask=mask)
+    tl.store(gh0i_ptr + b * DN + offs, si, mask=mask)
+
+    # tangent, left to right: D_end = q^{T_c} D_start + T_c q^{T_c-1} h_start + D_loc
+    tr = tl.zeros([BLOCK], dtype=tl.float32)
+    ti = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(NC - 1):
+        ptr = base + c * DN
+        loc_r = tl.load(dr_ptr + ptr, mask=mask, other=0.0)
+        loc_i = tl.load(di_ptr + ptr, mask=mask, other=0.0)
+        hr = tl.load(sr_ptr + ptr, mask=mask, other=0.0) * T
+        hi = tl.load(si_ptr + ptr, mask=mask, other=0.0) * T
+        tl.store(dr_ptr + ptr, tr, mask=mask)
+        tl.store(di_ptr + ptr, ti, mask=mask)
+        tr, ti = (
+            qtr * tr - qti * ti + qt1r * hr - qt1i * hi + loc_r,
+            qtr * ti + qti * tr + qt1r * hi + qt1i * hr + loc_i,
+        )
+    ptr = base + (NC - 1) * DN
+    loc_r = tl.load(dr_ptr + ptr, mask=mask, other=0.0)
+    loc_i = tl.load(di_ptr + ptr, mask=mask, other=0.0)
+    hr = tl.load(sr_ptr + ptr, mask=mask, other=0.0) * t_last
+    hi = tl.load(si_ptr + ptr, mask=mask, other=0.0) * t_last
+    tl.store(dr_ptr + ptr, tr, mask=mask)
+    tl.store(di_ptr + ptr, ti, mask=mask)
+    tr, ti = (
+        qlr * tr - qli * ti + ql1r * hr - ql1i * hi + loc_r,
+        qlr * ti + qli * tr + ql1r * hi + ql1i * hr + loc_i,
+    )
+    # conj(D_{L-1}) G_last: h_last's cotangent reaching q through every step
+    tl.store(gqr_ptr + b * DN + offs, tr * glr + ti * gli, mask=mask)
+    tl.store(gqi_ptr + b * DN + offs, tr * gli - ti * glr, mask=mask)
+
+
+@triton.jit
+def _bwd_main(
+    x_ptr, pad_ptr, gy_ptr, dx_ptr, p_ptr, qr_ptr, qi_ptr, gr_ptr, gi_ptr, om_ptr,
+    car_r_ptr, car_i_ptr, sr_ptr, si_ptr, ds_r_ptr, ds_i_ptr,
+    gp_ptr, whr_ptr, whi_ptr, wdr_ptr, wdi_ptr, gom_ptr,
+    L, D, N, NC, T,
+    REVERSE: tl.constexpr, HAS_PAD: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BD: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """Per chunk: dx and G_p from the adjoint (reverse), then the partial sums of Σ gy conj(h),
+    Σ gy conj(D) and Σ gy x from the recurrence and its q-tangent (forward)."""
+    c, pd, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_d, mask_d, mask, coef = _block_offsets(pd, D, N, BD, BN)
+    b64 = b.to(tl.int64)
+    x_row = x_ptr + b64 * L * D + offs_d
+    pad_row = pad_ptr + b64 * L
+    gy_row = gy_ptr + b64 * L * D + offs_d
+    dx_row = dx_ptr + b64 * L * D + offs_d
+    p = tl.load(p_ptr + coef, mask=mask, other=0.0)
+    qr = tl.load(qr_ptr + coef, mask=mask, other=0.0)
+    qi = tl.load(qi_ptr + coef, mask=mask, other=0.0)
+    gr = tl.load(gr_ptr + coef, mask=mask, other=0.0)
+    gi = tl.load(gi_ptr + coef, mask=mask, other=0.0)
+    om = tl.load(om_ptr + offs_d, mask=mask_d, other=0.0)
+    st = (b64 * NC + c) * D * N + coef
+    tau0 = c * T
+    tc = tl.minimum(T, L - tau0)
+    tau_end = tau0 + tc - 1
+
+    # reverse: a_i = conj(γ) gy_i + s (s: the adjoint carried in from the right, then conj(q) a_{i+1})
+    sr = tl.load(car_r_ptr + st, mask=mask, other=0.0)
+    si = tl.load(car_i_ptr + st, mask=mask, other=0.0)
+    gp = tl.zeros([BD, BN], dtype=tl.float32)
+    g_next = _load_steps(gy_row, pad_row, tau_end, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S)
+    x_next = _load_steps(x_row, pad_row, tau_end, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+    for blk in range(tl.cdiv(tc, S)):
+        gs = _columns(g_next, BD)
+        xs = _columns(x_next, BD)
+        tau = tau_end - (blk + 1) * S
+        g_next = _load_steps(gy_row, pad_row, tau, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S)
+        x_next = _load_steps(x_row, pad_row, tau, -1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                g = gs[j]
+                ar, ai = gr * g[:, None] + sr, si - gi * g[:, None]
+                dx = tl.sum(p * ar, axis=1) + om * g
+                t = tau_end - blk * S - j
+                if REVERSE:
+                    t = L - 1 - t
+                if HAS_PAD:
+                    dx = tl.where(tl.load(pad_row + t) != 0, 0.0, dx)
+                if ACCUMULATE:
+                    dx += tl.load(dx_row + t * D, mask=mask_d, other=0.0).to(tl.float32)
+                tl.store(dx_row + t * D, dx.to(dx_ptr.dtype.element_ty), mask=mask_d)
+                gp += ar * xs[j][:, None]
+                sr, si = qr * ar + qi * ai, qr * ai - qi * ar
+    tl.store(gp_ptr + st, gp, mask=mask)
+
+    # forward: h and its q-tangent D from the chunk's start values
+    hr = tl.load(sr_ptr + st, mask=mask, other=0.0)
+    hi = tl.load(si_ptr + st, mask=mask, other=0.0)
+    dr = tl.load(ds_r_ptr + st, mask=mask, other=0.0)
+    di = tl.load(ds_i_ptr + st, mask=mask, other=0.0)
+    whr = tl.zeros([BD, BN], dtype=tl.float32)
+    whi = tl.zeros([BD, BN], dtype=tl.float32)
+    wdr = tl.zeros([BD, BN], dtype=tl.float32)
+    wdi = tl.zeros([BD, BN], dtype=tl.float32)
+    gom = tl.zeros([BD], dtype=tl.float32)
+    g_next = _load_steps(gy_row, pad_row, tau0, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S)
+    x_next = _load_steps(x_row, pad_row, tau0, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+    for blk in range(tl.cdiv(tc, S)):
+        gs = _columns(g_next, BD)
+        xs = _columns(x_next, BD)
+        tau = tau0 + (blk + 1) * S
+        g_next = _load_steps(gy_row, pad_row, tau, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, False, S)
+        x_next = _load_steps(x_row, pad_row, tau, 1, tau0, tau0 + tc, L, D, mask_d, REVERSE, HAS_PAD, S)
+        for j in tl.static_range(S):
+            if blk * S + j < tc:
+                g = gs[j]
+                x = xs[j]
+                dr, di = hr + qr * dr - qi * di, hi + qr * di + qi * dr
+                hr, hi = qr * hr - qi * hi + p * x[:, None], qr * hi + qi * hr
+                g2 = g[:, None]
+                whr += g2 * hr
+                whi -= g2 * hi
+                wdr += g2 * dr
+                wdi -= g2 * di
+                gom += g * x
+    tl.store(whr_ptr + st, whr, mask=mask)
+    tl.store(whi_ptr + st, whi, mask=mask)
+    tl.store(wdr_ptr + st, wdr, mask=mask)
+    tl.store(wdi_ptr + st, wdi, mask=mask)
+    tl.store(gom_ptr + (b64 * NC + c) * D + offs_d, gom, mask=mask_d)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+
+class _Coefs:
+    """One direction's coefficients as contiguous float32 [D, N] planes (ω: [D])."""
+
+    def __init__(self, p: Tensor, qr: Tensor, qi: Tensor, gr: Tensor, gi: Tensor, omega: Tensor):
+        f = lambda t: t.detach().to(torch.float32).contiguous()
+        self.p, self.qr, self.qi, self.gr, self.gi, self.omega = f(p), f(qr), f(qi), f(gr), f(gi), f(omega)
+        self._log_q = torch.log(torch.complex(self.qr.double(), self.qi.double()))
+
+    def powers(self, chunk: int, length: int) -> Tensor:
+        """[8, D*N] float32: q^T, q^{T-1}, q^{T_last}, q^{T_last-1} as (real, imaginary) rows.
+
+        exp(l log q) in float64 from the float32 q, then rounded once: in float32, the rounding of arg q
+        (~2e-7) would grow l-fold in the phase of q^l and dominate the error of long sequences."""
+        t_last = length - (triton.cdiv(length, chunk) - 1) * chunk
+        ls = torch.tensor([chunk, chunk - 1, t_last, t_last - 1], dtype=torch.float64, device=self.qr.device)
+        pw = torch.exp(ls.view(4, 1, 1) * self._log_q)  # [4, D, N]
+        return torch.stack([pw.real, pw.imag], 1).reshape(8, -1).to(torch.float32).contiguous()
+
+
+def _config(batch: int, length: int, dim: int, ndim: int, chunk: int | None):
+    """Block sizes: BD channels x BN components per program; T steps per chunk."""
+    bn = triton.next_power_of_2(ndim)
+    bd = max(1, min(triton.next_power_of_2(dim), max(1, 512 // bn)))
+    if chunk is None:
+        # enough programs to fill the GPU (about 4096), chunks as long as that allows (fewer partials)
+        blocks = batch * triton.cdiv(dim, bd)
+        chunk = triton.next_power_of_2(triton.cdiv(length * blocks, 4096))
+        chunk = max(32, min(256, chunk))
+    chunk = max(1, min(chunk, length))
+    warps = 4 if bd * bn >= 512 else (2 if bd * bn >= 128 else 1)
+    return bd, bn, chunk, warps
+
+
+def _state_block(dn: int) -> int:
+    return min(256, triton.next_power_of_2(dn))
+
+
+def _forward(
+    x: Tensor, pad: Tensor | None, cf: _Coefs, h0r, h0i, reverse: bool, chunk, y: Tensor, accumulate: bool
+):
+    """One direction: writes (or adds into) y; returns the chunk start states [2, B, NC, D, N] and h_last."""
+    b, length, d = x.shape
+    n = cf.p.shape[1]
+    bd, bn, t, warps = chunk
+    nc = triton.cdiv(length, t)
+    states = torch.empty(2, b, nc, d, n, device=x.device, dtype=torch.float32)
+    h_last = tuple(torch.empty(b, d, n, device=x.device, dtype=torch.float32) for _ in range(2))
+    grid = (nc, triton.cdiv(d, bd), b)
+    pad_arg = pad if pad is not None else x
+    _fwd_local_state[grid](
+        x, pad_arg, cf.p, cf.qr, cf.qi, states[0], states[1], length, d, n, nc, t,
+        REVERSE=reverse, HAS_PAD=pad is not None, BD=bd, BN=bn, S=STEPS, num_warps=warps,
+    )  # fmt: skip
+    block = _state_block(d * n)
+    has_h0 = h0r is not None
+    _fwd_state_passing[(triton.cdiv(d * n, block), b)](
+        states[0], states[1], h0r if has_h0 else states[0], h0i if has_h0 else states[1],
+        h_last[0], h_last[1], cf.powers(t, length), length, d * n, nc, t,
+        HAS_H0=has_h0, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    _fwd_output[grid](
+        x, pad_arg, y, cf.p, cf.qr, cf.qi, cf.gr, cf.gi, cf.omega, states[0], states[1], length, d, n, nc, t,
+        REVERSE=reverse, HAS_PAD=pad is not None, ACCUMULATE=accumulate, BD=bd, BN=bn, S=STEPS, num_warps=warps,
+    )  # fmt: skip
+    return states, h_last
+
+
+def _backward(
+    x: Tensor, pad: Tensor | None, gy: Tensor, cf: _Coefs, states: Tensor, g_last: Tensor | None,
+    reverse: bool, chunk, dx: Tensor, accumulate: bool,
+):  # fmt: skip
+    """One direction: writes (or adds into) dx; returns G_p, G_q, G_γ (complex [D, N]), G_ω [D], G_h0."""
+    b, length, d = x.shape
+    n = cf.p.shape[1]
+    bd, bn, t, warps = chunk
+    nc = triton.cdiv(length, t)
+    dev = x.device
+    adj = torch.empty(2, b, nc, d, n, device=dev, dtype=torch.float32)
+    tan = torch.empty(2, b, nc, d, n, device=dev, dtype=torch.float32)
+    grid = (nc, triton.cdiv(d, bd), b)
+    pad_arg = pad if pad is not None else x
+    _bwd_local_state[grid](
+        x, pad_arg, gy, cf.p, cf.qr, cf.qi, cf.gr, cf.gi, adj[0], adj[1], tan[0], tan[1],
+        length, d, n, nc, t,
+        REVERSE=reverse, HAS_PAD=pad is not None, BD=bd, BN=bn, S=STEPS, num_warps=warps,
+    )  # fmt: skip
+    block = _state_block(d * n)
+    g_h0 = torch.empty(2, b, d, n, device=dev, dtype=torch.float32)
+    g_q_last = torch.empty(2, b, d, n, device=dev, dtype=torch.float32)
+    has_glast = g_last is not None
+    _bwd_state_passing[(triton.cdiv(d * n, block), b)](
+        adj[0], adj[1], tan[0], tan[1], states[0], states[1],
+        g_last[0] if has_glast else adj[0], g_last[1] if has_glast else adj[1],
+        cf.powers(t, length), cf.qr, cf.qi, g_h0[0], g_h0[1], g_q_last[0], g_q_last[1],
+        length, d * n, nc, t,
+        HAS_GLAST=has_glast, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    partial = torch.empty(5, b * nc, d, n, device=dev, dtype=torch.float32)  # G_p, Re/Im Wh, Re/Im Wd
+    g_omega = torch.empty(b * nc, d, device=dev, dtype=torch.float32)
+    _bwd_main[grid](
+        x, pad_arg, gy, dx, cf.p, cf.qr, cf.qi, cf.gr, cf.gi, cf.omega,
+        adj[0], adj[1], states[0], states[1], tan[0], tan[1],
+        partial[0], partial[1], partial[2], partial[3], partial[4], g_omega,
+        length, d, n, nc, t,
+        REVERSE=reverse, HAS_PAD=pad is not None, ACCUMULATE=accumulate, BD=bd, BN=bn, S=STEPS, num_warps=warps,
+    )  # fmt: skip
+    sums = partial.sum(1)  # fixed-order reduction over (batch, chunk) programs: deterministic
+    g_p = sums[0]
+    g_gamma = torch.complex(sums[1], sums[2])
+    gamma = torch.complex(cf.gr, cf.gi)
+    g_q = gamma.conj() * torch.complex(sums[3], sums[4])
+    if has_glast:
+        g_q = g_q + torch.complex(g_q_last[0], g_q_last[1]).sum(0)
+    return g_p, g_q, g_gamma, g_omega.sum(0), g_h0
+
+
+class CEMAFunction(torch.autograd.Function):
+    """Real-valued interface: complex tensors enter and leave as (real, imaginary) planes, so autograd
+    outside composes PyTorch's complex-gradient convention through ``.real`` / ``.imag`` / ``complex``."""
+
+    @staticmethod
+    def forward(ctx, x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
+        x = x.contiguous()
+        b, length, d = x.shape
+        n = p.shape[1]
+        cfg = _config(b, length, d, n, chunk)
+        if bidirectional:
+            fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
+            bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+            y32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
+            states_f, _ = _forward(x, pad, fwd, None, None, False, cfg, y32, False)
+            states_b, _ = _forward(x, pad, bwd, None, None, True, cfg, y32, True)
+            y = y32.to(x.dtype)
+            h_last = tuple(x.new_zeros(b, d, n, dtype=torch.float32) for _ in range(2))
+            ctx.save_for_backward(x, pad, states_f, states_b)
+            ctx.coefs = (fwd, bwd)
+        else:
+            cf = _Coefs(p, q_re, q_im, g_re, g_im, omega)
+            f = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
+            y = torch.empty_like(x)
+            states_f, h_last = _forward(x, pad, cf, f(h0_re), f(h0_im), False, cfg, y, False)
+            ctx.save_for_backward(x, pad, states_f, None)
+            ctx.coefs = (cf,)
+        ctx.cfg, ctx.bidirectional = cfg, bidirectional
+        ctx.has_h0 = h0_re is not None
+        ctx.set_materialize_grads(False)
+        return y, h_last[0], h_last[1]
+
+    @staticmethod
+    def backward(ctx, gy, gh_re, gh_im):
+        x, pad, states_f, states_b = ctx.saved_tensors
+        b, length, d = x.shape
+        gy = torch.zeros_like(x) if gy is None else gy.contiguous()
+        g_last = None
+        if not ctx.bidirectional and (gh_re is not None or gh_im is not None):
+            zero = torch.zeros(b, d, ctx.coefs[0].p.shape[1], device=x.device, dtype=torch.float32)
+            g_last = torch.stack([zero if g is None else g.to(torch.float32) for g in (gh_re, gh_im)])
+        if ctx.bidirectional:
+            fwd, bwd = ctx.coefs
+            dx32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
+            gp_f, gq_f, gg_f, g_omega, _ = _backward(
+                x, pad, gy, fwd, states_f, None, False, ctx.cfg, dx32, False
+            )
+            gp_b, gq_b, gg_b, _, _ = _backward(x, pad, gy, bwd, states_b, None, True, ctx.cfg, dx32, True)
+            dx = dx32.to(x.dtype)
+            g_p, g_q, g_g = torch.cat([gp_f, gp_b]), torch.cat([gq_f, gq_b]), torch.cat([gg_f, gg_b])
+            g_h0 = None
+        else:
+            dx = torch.empty_like(x)
+            g_p, g_q, g_g, g_omega, g_h0 = _backward(
+                x, pad, gy, ctx.coefs[0], states_f, g_last, False, ctx.cfg, dx, False
+            )
+        h0_grads = (g_h0[0], g_h0[1]) if ctx.has_h0 else (None, None)
+        return (dx, g_p, g_q.real, g_q.imag, g_g.real, g_g.imag, g_omega, *h0_grads, None, None, None)
+
+
+@torch.compiler.disable
+def cema(
+    x: Tensor,
+    p: Tensor,
+    q: Tensor,
+    gamma: Tensor,
+    omega: Tensor,
+    h0: Tensor | None = None,
+    bidirectional: bool = False,
+    padding_mask: Tensor | None = None,
+    return_state: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Complex EMA over the time axis by the fused chunked scan; same contract as the reference ``cema``.
+
+    Args:
+        x: [B, L, D] real input (float32 / float16 / bfloat16; state and math in float32).
+        p: [D, N] real (bidirectional: [2D, N], forward rows first).
+        q: [D, N] complex, |q| < 1 (bidirectional: [2D, N]).
+        gamma: [D, N] complex output projection (bidirectional: [2D, N]).
+        omega: [D] real skip weight.
+        h0: [B, D, N] complex carried state, or None for zeros (causal only).
+        padding_mask: [B, L] bool, True = padding; padded inputs are zeroed first.
+        return_state: also return h_{L-1} [B, D, N] complex64 (causal only).
+        chunk_size: steps per chunk (one program each); None picks one from the shape.
+
+    Returns:
+        y [B, L, D] in x's dtype, and h_last [B, D, N] complex64 or None.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"cema expects x of shape [B, L, D], got {tuple(x.shape)}")
+    b, length, d = x.shape
+    rows = 2 * d if bidirectional else d
+    if p.shape[0] != rows or q.shape != p.shape or gamma.shape != p.shape:
+        raise ValueError(
+            f"cema coefficients must be [{rows}, N] for D={d} (bidirectional={bidirectional}); "
+            f"got p {tuple(p.shape)}, q {tuple(q.shape)}, gamma {tuple(gamma.shape)}"
+        )
+    if bidirectional and (h0 is not None or return_state):
+        raise ValueError("bidirectional CEMA has no carried state: h0 must be None and return_state False")
+    if padding_mask is not None and padding_mask.shape != (b, length):
+        raise ValueError(f"padding_mask must be [B, L] = {(b, length)}, got {tuple(padding_mask.shape)}")
+    if length == 0:
+        from kernels.cema.reference import cema as reference_cema
+
+        return reference_cema(
+            x, p, q, gamma, omega, h0, bidirectional, padding_mask, "sequential", return_state
+        )
+    pad = None if padding_mask is None else padding_mask.to(torch.int8).contiguous()
+    h0_re = h0_im = None
+    if h0 is not None:
+        h0_re, h0_im = h0.real, h0.imag
+    y, hl_re, hl_im = CEMAFunction.apply(
+        x, p, q.real, q.imag, gamma.real, gamma.imag, omega, h0_re, h0_im, pad, bidirectional, chunk_size
+    )
+    return y, (torch.complex(hl_re, hl_im) if return_state else None)

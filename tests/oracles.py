@@ -1,0 +1,248 @@
+"""Float64 oracles for the functional ops, written from SPEC.md alone (§2 CEMA, §3 norms, §4 attention).
+
+They are deliberately slow and literal -- loops over timesteps, chunks and query rows, statistics gathered
+from the raw elements -- so that a mistake shared with the fast kernels is unlikely. Nothing here imports
+`kernels/` or `mega_suite/`. Every oracle is differentiable, so gradients can be compared as well.
+"""
+
+import math
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------
+# §2 CEMA
+# ----------------------------------------------------------------------------------------------------------
+
+
+def cema_coefficients(alpha, delta, theta, gamma):
+    """Raw parameters alpha, delta (D, N, 1), theta (D, 1, 1), gamma (D, N, 2) -> p [D, N] real,
+    q [D, N] complex128, gamma_c [D, N] complex128 (SPEC §2 "Coefficients")."""
+    alpha, delta, theta, gamma = (t.double() for t in (alpha, delta, theta, gamma))
+    D, N, _ = alpha.shape
+    theta_d = torch.sigmoid(theta.reshape(D, 1)) * (2 * math.pi / N)
+    n = torch.arange(1, N + 1, dtype=torch.float64)
+    p = torch.sigmoid(alpha[..., 0])
+    magnitude = 1 - torch.sigmoid(alpha[..., 0]) * torch.sigmoid(delta[..., 0])
+    # (1 - σ(α)σ(δ)) · exp(i n θ_d), written out as cos + i sin
+    angle = n * theta_d
+    q = torch.complex(magnitude * torch.cos(angle), magnitude * torch.sin(angle))
+    gamma_c = torch.complex(gamma[..., 0], gamma[..., 1]) / math.sqrt(N)
+    return p, q, gamma_c
+
+
+def cema_recurrence(x, p, q, gamma, omega, h0=None):
+    """Unidirectional CEMA by the literal recurrence
+    h_t = p x_t + q h_{t-1},  y_t = Re(Σ_n γ_n h_{t,n}) + ω x_t.
+
+    x [B, L, D] real, p [D, N] real, q, gamma [D, N] complex, omega [D], h0 [B, D, N] complex or None.
+    Returns y [B, L, D] float64 and the final state h_{L-1} [B, D, N] complex128 (h0 itself when L = 0).
+    """
+    x = x.double()
+    B, L, D = x.shape
+    N = p.shape[1]
+    h = torch.zeros(B, D, N, dtype=torch.complex128) if h0 is None else h0.to(torch.complex128)
+    ys = []
+    for t in range(L):
+        h = p * x[:, t, :, None] + q * h
+        ys.append((gamma * h).sum(-1).real + omega * x[:, t])
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(B, 0, D)
+    return y, h
+
+
+def cema_kernel_taps(p, q, gamma, L):
+    """k_ℓ = Re(Σ_n γ_n p_n q_n^ℓ) for ℓ = 0..L-1, [D, L]. Powers by repeated products: exact enough in
+    float64 at the oracle's short lengths, and independent of the kernels' exp(ℓ log q)."""
+    power = torch.ones_like(q)
+    taps = []
+    for _ in range(L):
+        taps.append((gamma * p * power).sum(-1).real)
+        power = power * q
+    return torch.stack(taps, dim=-1)
+
+
+def cema_bidirectional(x, p, q, gamma, omega):
+    """Bidirectional CEMA by the explicit double sum of SPEC §2:
+    y_t = Σ_{s≤t} k^f_{t-s} x_s + Σ_{s≥t} k^b_{s-t} x_s + ω x_t, with p, q, gamma [2D, N] (first D forward).
+    Padding must already be zeroed in x."""
+    x = x.double()
+    B, L, D = x.shape
+    k_fwd = cema_kernel_taps(p[:D], q[:D], gamma[:D], L)  # [D, L]
+    k_bwd = cema_kernel_taps(p[D:], q[D:], gamma[D:], L)
+    t = torch.arange(L)[:, None]
+    s = torch.arange(L)[None, :]
+    lag = (t - s).abs()  # [L, L]
+    # Toeplitz matrices T[d, t, s]: forward taps below (and on) the diagonal, backward taps above (and on) it.
+    toeplitz_fwd = torch.where(s <= t, k_fwd[:, lag], torch.zeros((), dtype=torch.float64))
+    toeplitz_bwd = torch.where(s >= t, k_bwd[:, lag], torch.zeros((), dtype=torch.float64))
+    y = torch.einsum("dts,bsd->btd", toeplitz_fwd + toeplitz_bwd, x)
+    return y + omega * x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# §3 TimestepNorm and the classification group norm
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _valid_mask(x, padding_mask):
+    B, L, _ = x.shape
+    if padding_mask is None:
+        return torch.ones(B, L, dtype=torch.bool)
+    return ~padding_mask.bool()
+
+
+def timestep_norm(x, weight, bias, num_groups, eps=1e-5, padding_mask=None):
+    """Brute-force causal group norm: for every valid step t, the group's statistics are the mean and
+    population variance of all its elements over the valid steps s ≤ t (gathered, not updated).
+    Padded steps output 0. Returns y [B, L, D] and the final state (count [B] int64, mean [B, G], var [B, G]);
+    a row with no valid step keeps the initial state (0, 0, 1)."""
+    x = x.double()
+    B, L, D = x.shape
+    G = num_groups
+    xg = x.reshape(B, L, G, D // G)
+    valid = _valid_mask(x, padding_mask)
+    scale = 1 + weight.double()
+    rows, counts, means, variances = [], [], [], []
+    for b in range(B):
+        steps = []
+        for t in range(L):
+            if not valid[b, t]:
+                steps.append(x.new_zeros(D))
+                continue
+            idx = valid[b, : t + 1].nonzero().squeeze(-1)
+            elems = xg[b, idx].transpose(0, 1).reshape(G, -1)  # [G, n_steps · D/G]
+            mu = elems.mean(-1, keepdim=True)
+            var = ((elems - mu) ** 2).mean(-1, keepdim=True)
+            normed = (xg[b, t] - mu) / torch.sqrt(var + eps)
+            steps.append(normed.reshape(D) * scale + bias.double())
+        rows.append(torch.stack(steps) if steps else x.new_zeros(0, D))
+        idx = valid[b].nonzero().squeeze(-1)
+        counts.append(len(idx))
+        if len(idx):
+            elems = xg[b, idx].transpose(0, 1).reshape(G, -1)
+            mu = elems.mean(-1)
+            means.append(mu)
+            variances.append(((elems - mu[:, None]) ** 2).mean(-1))
+        else:
+            means.append(x.new_zeros(G))
+            variances.append(x.new_ones(G))
+    y = torch.stack(rows)
+    return y, (torch.tensor(counts, dtype=torch.int64), torch.stack(means), torch.stack(variances))
+
+
+def virtual_prefix(count, mean, var, group_size):
+    """Synthetic earlier steps whose statistics are exactly a given TimestepNorm state: row b gets count[b]
+    valid steps (left-padded to the longest row) whose group elements alternate mean ± sqrt(var), so their
+    population mean and variance are (mean, var). Prepending them to x and running `timestep_norm` gives the
+    expected outputs for x under that carried state (differentiably in mean and var).
+    Returns x_prefix [B, max(count), D] and its padding mask. group_size · count must be even."""
+    B, G = mean.shape
+    n_max = int(count.max()) if count.numel() else 0
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(n_max * group_size)[: n_max * group_size]
+    sign = sign.reshape(n_max, 1, group_size)  # alternating over (step, element) of each group
+    rows, masks = [], []
+    for b in range(B):
+        n = int(count[b])
+        assert (n * group_size) % 2 == 0, "virtual_prefix needs an even number of elements per group"
+        steps = mean[b, None, :, None].double() + sign[:n] * torch.sqrt(var[b, None, :, None].double())
+        pad = mean.new_zeros(n_max - n, G, group_size, dtype=torch.float64)
+        rows.append(torch.cat([pad, steps]).reshape(n_max, G * group_size))
+        masks.append(torch.arange(n_max) < n_max - n)
+    return torch.stack(rows), torch.stack(masks)
+
+
+def timestep_norm_cumulative(x, weight, bias, num_groups, eps=1e-5, padding_mask=None):
+    """The same quantity as `timestep_norm`, vectorised with float64 prefix sums for long sequences.
+    Each (b, g) is first shifted by its own valid-element mean, so the prefix sums of x and x² do not cancel
+    catastrophically (mean and variance are shift-equivariant / -invariant). Returns y only."""
+    x = x.double()
+    B, L, D = x.shape
+    G = num_groups
+    dg = D // G
+    valid = _valid_mask(x, padding_mask).double()[:, :, None, None]  # [B, L, 1, 1]
+    xg = x.reshape(B, L, G, dg)
+    total = valid.sum(dim=(1, 3), keepdim=True).clamp_min(1) * dg
+    shift = (xg * valid).sum(dim=(1, 3), keepdim=True) / total  # [B, 1, G, 1]
+    xs = (xg - shift) * valid
+    n = torch.cumsum(valid, dim=1) * dg  # [B, L, 1, 1]
+    s1 = torch.cumsum(xs.sum(-1, keepdim=True), dim=1)
+    s2 = torch.cumsum((xs**2).sum(-1, keepdim=True), dim=1)
+    n_safe = n.clamp_min(1)
+    mean_shifted = s1 / n_safe
+    var = s2 / n_safe - mean_shifted**2
+    normed = (xg - shift - mean_shifted) / torch.sqrt(var + eps)
+    y = normed.reshape(B, L, D) * (1 + weight.double()) + bias.double()
+    return y * valid.reshape(B, L, 1)
+
+
+def group_norm(x, weight, bias, num_groups, eps=1e-5, padding_mask=None):
+    """Whole-sequence group norm (SPEC §3, classification): statistics per (b, g) over all valid timesteps;
+    padded steps output 0; an all-padding row outputs 0 everywhere."""
+    x = x.double()
+    B, L, D = x.shape
+    G = num_groups
+    xg = x.reshape(B, L, G, D // G)
+    valid = _valid_mask(x, padding_mask)
+    scale = 1 + weight.double()
+    rows = []
+    for b in range(B):
+        idx = valid[b].nonzero().squeeze(-1)
+        if len(idx) == 0:
+            rows.append(x.new_zeros(L, D))
+            continue
+        elems = xg[b, idx].transpose(0, 1).reshape(G, -1)
+        mu = elems.mean(-1)[:, None]
+        var = ((elems - mu) ** 2).mean(-1)[:, None]
+        steps = []
+        for t in range(L):
+            if valid[b, t]:
+                steps.append(((xg[b, t] - mu) / torch.sqrt(var + eps)).reshape(D) * scale + bias.double())
+            else:
+                steps.append(x.new_zeros(D))
+        rows.append(torch.stack(steps))
+    return torch.stack(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# §4 chunked attention
+# ----------------------------------------------------------------------------------------------------------
+
+
+def chunk_attention(q, k, v, chunk_size, causal, key_padding_mask=None):
+    """Block-diagonal attention, one query row at a time: softmax scale 1.0, keys restricted to the query's
+    own chunk (the last chunk may be shorter), to j ≤ i when causal, and to non-padding keys; a row with no
+    admissible key outputs zeros. q, k [B, L, h, dk], v [B, L, h, dv] -> [B, L, h, dv] float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, L, H, _ = q.shape
+    dv = v.shape[-1]
+    pad = torch.zeros(B, L, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
+    per_batch = []
+    for b in range(B):
+        per_head = []
+        for h in range(H):
+            out_rows = []
+            for start in range(0, L, chunk_size):
+                end = min(start + chunk_size, L)
+                for i in range(start, end):
+                    keys = [j for j in range(start, end) if (not causal or j <= i) and not pad[b, j]]
+                    if not keys:
+                        out_rows.append(v.new_zeros(dv))
+                        continue
+                    logits = k[b, keys, h] @ q[b, i, h]  # [n_keys], no 1/sqrt(dk)
+                    e = torch.exp(logits - logits.max())
+                    weights = e / e.sum()
+                    out_rows.append((weights[:, None] * v[b, keys, h]).sum(0))
+            per_head.append(torch.stack(out_rows) if out_rows else v.new_zeros(0, dv))
+        per_batch.append(torch.stack(per_head, dim=1))  # [L, h, dv]
+    return torch.stack(per_batch)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# comparison helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def max_rel_err(actual, expected):
+    """max |actual - expected| / max |expected| (the relative error used by the precision tests)."""
+    expected = expected.to(torch.complex128 if expected.is_complex() else torch.float64)
+    actual = actual.to(expected.dtype)
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()

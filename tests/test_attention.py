@@ -1,0 +1,128 @@
+"""chunk_attention (SPEC §4) against the per-chunk, per-row float64 oracle of tests/oracles.py."""
+
+import oracles
+import pytest
+import torch
+
+from kernels.attention import chunk_attention
+
+F64 = dict(rtol=1e-9, atol=1e-9)
+# (L, chunk size): sizes that divide L, that do not, and chunks longer than the sequence.
+SHAPES = [(1, 1), (1, 4), (7, 7), (7, 1), (7, 3), (7, 16), (63, 21), (63, 16), (65, 13), (65, 16), (65, 64)]
+
+
+def make_qkv(B, L, H, dk, dv, seed, dtype=torch.float64):
+    """q, k ~ N(0, 1.5²): logits of order dk·2, so a softmax scale other than 1.0 is clearly visible."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1.5 * torch.randn(B, L, H, dk, generator=g, dtype=torch.float64)
+    k = 1.5 * torch.randn(B, L, H, dk, generator=g, dtype=torch.float64)
+    v = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def padding_with_empty_chunk(B, L, C, seed):
+    """True = pad. Row 0: the whole second chunk is padding plus random holes; row 1: random holes with the
+    first key padded (so causal row 0 of every chunk sees nothing); row 2 (if any): all padding."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, L, generator=g) < 0.25
+    mask[0, C : 2 * C] = True
+    mask[1, ::C] = True
+    if B > 2:
+        mask[2] = True
+    return mask
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("L,C", SHAPES)
+def test_matches_oracle(L, C, causal):
+    B, H, dk, dv = 2, 2, 8, 5
+    q, k, v = make_qkv(B, L, H, dk, dv, seed=L * 100 + C)
+    o = chunk_attention(q, k, v, C, causal)
+    assert o.shape == (B, L, H, dv) and o.dtype == torch.float64
+    torch.testing.assert_close(o, oracles.chunk_attention(q, k, v, C, causal), **F64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("L,C", [(24, 8), (22, 8), (65, 16)])
+def test_key_padding(L, C, causal):
+    """Padded keys are ignored, rows without any admissible key (an entire chunk of padding, the first
+    causal row behind a padded key, an all-padding sequence) output exactly zeros and never NaN."""
+    B, H, dk, dv = 3, 2, 6, 4
+    q, k, v = make_qkv(B, L, H, dk, dv, seed=L + C)
+    mask = padding_with_empty_chunk(B, L, C, seed=L * C)
+    o = chunk_attention(q, k, v, C, causal, key_padding_mask=mask)
+    assert torch.isfinite(o).all()
+    o_ref = oracles.chunk_attention(q, k, v, C, causal, key_padding_mask=mask)
+    torch.testing.assert_close(o, o_ref, **F64)
+    assert (o[0, C : 2 * C] == 0).all()
+    assert (o[2] == 0).all()
+    if causal:
+        assert (o[1, ::C] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_padding_does_not_leak_values(causal):
+    """Changing q, k, v at padded positions changes no output of a valid row."""
+    B, L, H, C = 3, 22, 2, 8
+    q, k, v = make_qkv(B, L, H, 6, 4, seed=5)
+    mask = padding_with_empty_chunk(B, L, C, seed=6)
+    o = chunk_attention(q, k, v, C, causal, key_padding_mask=mask)
+    m = mask[..., None, None]
+    o2 = chunk_attention(q, k.masked_fill(m, 9.0), v.masked_fill(m, -9.0), C, causal, key_padding_mask=mask)
+    torch.testing.assert_close(o2[~mask], o[~mask], **F64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("L,C,padded", [(7, 3, False), (24, 8, True), (65, 16, True)])
+def test_gradients_match_oracle(L, C, causal, padded):
+    B, H, dk, dv = 3, 2, 4, 3
+    q, k, v = make_qkv(B, L, H, dk, dv, seed=7 + L)
+    mask = padding_with_empty_chunk(B, L, C, seed=8 + L) if padded else None
+    cot = torch.randn(B, L, H, dv, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def vjp(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, C, causal, key_padding_mask=mask)
+        return torch.autograd.grad((out * cot).sum(), leaves)
+
+    for name, got, want in zip("qkv", vjp(chunk_attention), vjp(oracles.chunk_attention)):
+        assert torch.isfinite(got).all(), f"grad {name} has non-finite entries"
+        torch.testing.assert_close(got, want, **F64, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_float32_matches_float64_oracle():
+    B, L, H, C = 2, 65, 2, 16
+    q, k, v = make_qkv(B, L, H, 8, 5, seed=10, dtype=torch.float32)
+    mask = padding_with_empty_chunk(B, L, C, seed=11)
+    o = chunk_attention(q, k, v, C, True, key_padding_mask=mask)
+    assert o.dtype == torch.float32
+    err = oracles.max_rel_err(o, oracles.chunk_attention(q, k, v, C, True, key_padding_mask=mask))
+    assert err <= 1e-5, f"relative error {err:.2e}"
+
+
+def test_dropout():
+    """dropout_p = 0 is deterministic (and exact); dropout_p > 0 changes the output, stays finite, is
+    reproducible under the same seed and differs between seeds."""
+    B, L, H, C = 2, 32, 2, 8
+    q, k, v = make_qkv(B, L, H, 6, 4, seed=12)
+    mask = padding_with_empty_chunk(B, L, C, seed=13)
+    ref = oracles.chunk_attention(q, k, v, C, False, key_padding_mask=mask)
+    torch.manual_seed(0)
+    o1 = chunk_attention(q, k, v, C, False, key_padding_mask=mask, dropout_p=0.0)
+    torch.manual_seed(1)
+    o2 = chunk_attention(q, k, v, C, False, key_padding_mask=mask, dropout_p=0.0)
+    assert torch.equal(o1, o2)
+    torch.testing.assert_close(o1, ref, **F64)
+
+    torch.manual_seed(2)
+    d1 = chunk_attention(q, k, v, C, False, key_padding_mask=mask, dropout_p=0.5)
+    torch.manual_seed(2)
+    d2 = chunk_attention(q, k, v, C, False, key_padding_mask=mask, dropout_p=0.5)
+    torch.manual_seed(3)
+    d3 = chunk_attention(q, k, v, C, False, key_padding_mask=mask, dropout_p=0.5)
+    assert torch.isfinite(d1).all()
+    assert not torch.allclose(d1, ref), "dropout_p=0.5 did not change the output"
+    assert torch.equal(d1, d2), "same seed, different dropout"
+    assert not torch.equal(d1, d3), "different seeds, same dropout"
+    # Rows with no valid key stay zero under dropout too.
+    assert (d1[0, C : 2 * C] == 0).all()
