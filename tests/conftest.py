@@ -13,6 +13,9 @@ from lra_fixtures import write_aan, write_aclimdb, write_cifar10, write_listops,
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Test shapes are tiny: one thread avoids OpenMP start-up and contention costs that dominate them.
+torch.set_num_threads(1)
+
 PATHFINDER_EMPTY = (1, 2)  # metadata file 1, sample_2.png is a 0-byte file, as sample_172.png in the release
 
 
