@@ -2,7 +2,7 @@
 
 ``chunk_attention`` runs the fused Triton kernels (``kernels.attention.triton``, DropKey for attention
 dropout) for CUDA tensors they support, and the PyTorch reference (``kernels.attention.reference``,
-ordinary dropout on the probabilities) otherwise -- see ``kernels.dispatch``.
+DropKey through the attention mask) otherwise -- see ``kernels.dispatch``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def chunk_attention(
         chunk_size: C; a length that is not a multiple of C is padded internally.
         causal: mask keys after the query inside each chunk.
         key_padding_mask: [B, L] bool, True = padding key.
-        dropout_p: attention dropout (DropKey on the Triton path, dropout on the probabilities otherwise).
+        dropout_p: DropKey rate (pre-softmax logits masked with this probability, no rescaling).
 
     Returns:
         [B, L, h, dv]; a query with no valid key outputs zeros.

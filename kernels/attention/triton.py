@@ -545,18 +545,26 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
 
 
-def _gpu_configs(with_dv: bool) -> list[triton.Config]:
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel: short lists, since every entry is compiled on first use.
+# Chosen from an offline sm_90 compile (registers / spills, no GPU run): the dK/dV kernels want few query
+# rows per key block, the dQ kernel few key rows per query block.
+_TILES = {
+    "fwd": [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
+    "dkdv": [(32, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
+    "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2)],
+}
+
+
+def _gpu_configs(kernel: str, with_dv: bool) -> list[triton.Config]:
     if INTERPRET:  # one configuration: the autotuner then runs it without benchmarking
         meta = dict(BLOCK_M=16, BLOCK_N=16) | (dict(BLOCK_DV=16) if with_dv else {})
         return [triton.Config(meta, num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_N, warps, stages): a short list, since every entry is compiled on first use.
-    shapes = [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)]
     dvs = [64, 128] if with_dv else [None]
     return [
         triton.Config(
             dict(BLOCK_M=m, BLOCK_N=n) | ({} if dv is None else dict(BLOCK_DV=dv)), num_warps=w, num_stages=s
         )
-        for m, n, w, s in shapes
+        for m, n, w, s in _TILES[kernel]
         for dv in dvs
     ]
 
@@ -583,16 +591,16 @@ def _prune(configs, named_args, **kwargs):
 
 _TUNE_KEY = ["CHUNK", "DK", "DV", "CAUSAL", "HAS_KPM", "DROPOUT"]
 _fwd_tuned = triton.autotune(
-    _gpu_configs(True), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
+    _gpu_configs("fwd", True), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
 )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(
-    _gpu_configs(False), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
+    _gpu_configs("dkdv", False), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
 )(_bwd_dkdv_kernel)
 _dv_tuned = triton.autotune(
-    _gpu_configs(True), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
+    _gpu_configs("dkdv", True), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
 )(_bwd_dv_kernel)
 _dq_tuned = triton.autotune(
-    _gpu_configs(False), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
+    _gpu_configs("dq", False), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}
 )(_bwd_dq_kernel)
 
 

@@ -259,83 +259,95 @@ def _prefix(stats: Tensor, count0: Tensor, mean0: Tensor, var0: Tensor):
     return starts, mean_f, var_f, n_final, shift
 
 
-def _launch_grid(length, block_t, groups, batch):
-    return (triton.cdiv(length, block_t), groups, batch)
+def _forward(x: Tensor, weight: Tensor, bias: Tensor, count0, mean0, var0, pad, groups: int, eps: float, cfg):
+    """Launches tile statistics -> (PyTorch) prefix over tiles -> outputs. Returns y, the final mean and
+    variance (float64), and the tile start states, final counts and shift the backward needs."""
+    b, length, d = x.shape
+    bt, bf, warps = cfg
+    dg, nc = d // groups, triton.cdiv(length, bt)
+    grid = (nc, groups, b)
+    pad_arg = pad if pad is not None else x
+    stats = torch.empty(b, nc, groups, 4, device=x.device, dtype=torch.float32)
+    _chunk_stats[grid](
+        x, pad_arg, stats, length, d, groups, nc, dg,
+        HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
+    )  # fmt: skip
+    starts, mean_f, var_f, n_final, shift = _prefix(stats, count0, mean0, var0)
+    y = torch.empty_like(x)
+    _fwd_output[grid](
+        x, pad_arg, weight, bias, starts, y, length, d, groups, nc, dg, eps,
+        HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
+    )  # fmt: skip
+    return y, mean_f, var_f, (starts, n_final, shift)
+
+
+def _backward(x, pad, weight, gy, g_mean, g_var, count0, mean0, mean_f, saved, groups: int, eps: float, cfg):
+    """Launches tile sums -> (PyTorch) reverse prefix over tiles -> dx and dweight / dbias partials.
+    Returns dx, dweight, dbias (float32) and the incoming state's gradients (float64)."""
+    starts, n_final, shift = saved
+    b, length, d = x.shape
+    bt, bf, warps = cfg
+    dg, nc = d // groups, triton.cdiv(length, bt)
+    grid = (nc, groups, b)
+    pad_arg = pad if pad is not None else x
+    f64 = torch.float64
+    cs = shift.to(torch.float32).contiguous()  # the constant c of the module docstring
+    sums = torch.empty(b, nc, groups, 2, device=x.device, dtype=torch.float32)
+    _bwd_chunk[grid](
+        x, pad_arg, gy, weight, starts, cs, sums, length, d, groups, nc, dg, eps,
+        HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
+    )  # fmt: skip
+    # The returned state's cotangents: one more "step" after the last, with n = the final count.
+    zero = torch.zeros(b, groups, device=x.device, dtype=f64)
+    gm = zero if g_mean is None else g_mean.to(f64)
+    gv = zero if g_var is None else g_var.to(f64)
+    inv_nf = torch.where(n_final > 0, 1.0 / n_final.clamp(min=1), 0.0)
+    end = torch.stack([(gm - 2 * gv * (mean_f - cs.to(f64))) * inv_nf, gv * inv_nf], -1)  # [B, G, 2]
+    s64 = sums.to(f64)
+    rev = torch.flip(torch.cumsum(torch.flip(s64, [1]), 1), [1])  # Σ over tiles >= c
+    carry = (rev - s64 + end.unsqueeze(1)).to(torch.float32).contiguous()  # Σ over tiles > c, + end
+    total = rev[:, 0] + end  # (A_0, B_0)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(b * nc, d, device=x.device, dtype=torch.float32)
+    db_part = torch.empty(b * nc, d, device=x.device, dtype=torch.float32)
+    _bwd_dx[grid](
+        x, pad_arg, gy, weight, starts, cs, carry, dx, dw_part, db_part, length, d, groups, nc, dg, eps,
+        HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
+    )  # fmt: skip
+    n0 = count0.to(f64).view(-1, 1)
+    g_mean0 = n0 * (total[..., 0] + 2 * (mean0.to(f64) - cs.to(f64)) * total[..., 1])
+    g_var0 = n0 * total[..., 1]
+    empty = n_final == 0  # nothing seen at all: the state passes through unchanged
+    g_mean0 = torch.where(empty, gm, g_mean0)
+    g_var0 = torch.where(empty, gv, g_var0)
+    # fixed-order reduction of the per-program partials: deterministic
+    return dx, dw_part.sum(0), db_part.sum(0), g_mean0, g_var0
 
 
 class TimestepNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
         x = x.contiguous()
-        b, length, d = x.shape
-        dg = d // num_groups
-        bt, bf, warps = _config(length, dg, block_t)
-        nc = triton.cdiv(length, bt)
-        grid = _launch_grid(length, bt, num_groups, b)
-        pad_arg = pad if pad is not None else x
-        stats = torch.empty(b, nc, num_groups, 4, device=x.device, dtype=torch.float32)
-        _chunk_stats[grid](
-            x, pad_arg, stats, length, d, num_groups, nc, dg,
-            HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
-        )  # fmt: skip
-        starts, mean_f, var_f, n_final, shift = _prefix(stats, count0, mean0.detach(), var0.detach())
-        y = torch.empty_like(x)
-        w = weight.detach().contiguous()
-        bias_ = bias.detach().contiguous()
-        _fwd_output[grid](
-            x, pad_arg, w, bias_, starts, y, length, d, num_groups, nc, dg, eps,
-            HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x, pad, w, starts, mean_f, n_final, shift, count0, mean0)
-        ctx.cfg = (bt, bf, warps, num_groups, eps)
+        cfg = _config(x.shape[1], x.shape[2] // num_groups, block_t)
+        w, bias_ = weight.detach().contiguous(), bias.detach().contiguous()
+        y, mean_f, var_f, saved = _forward(
+            x, w, bias_, count0, mean0.detach(), var0.detach(), pad, num_groups, eps, cfg
+        )
+        ctx.save_for_backward(x, pad, w, count0, mean0, mean_f, *saved)
+        ctx.cfg, ctx.groups, ctx.eps = cfg, num_groups, eps
+        ctx.dtypes = (weight.dtype, bias.dtype, mean0.dtype, var0.dtype)
         ctx.set_materialize_grads(False)
         return y, mean_f.to(torch.float32), var_f.to(torch.float32)
 
     @staticmethod
     def backward(ctx, gy, g_mean, g_var):
-        x, pad, w, starts, mean_f, n_final, shift, count0, mean0 = ctx.saved_tensors
-        bt, bf, warps, groups, eps = ctx.cfg
-        b, length, d = x.shape
-        dg = d // groups
-        nc = triton.cdiv(length, bt)
-        grid = _launch_grid(length, bt, groups, b)
-        pad_arg = pad if pad is not None else x
-        f64 = torch.float64
+        x, pad, w, count0, mean0, mean_f, *saved = ctx.saved_tensors
         gy = torch.zeros_like(x) if gy is None else gy.contiguous()
-        cs = shift.to(torch.float32).contiguous()  # the constant c of the module docstring
-        sums = torch.empty(b, nc, groups, 2, device=x.device, dtype=torch.float32)
-        _bwd_chunk[grid](
-            x, pad_arg, gy, w, starts, cs, sums, length, d, groups, nc, dg, eps,
-            HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
-        )  # fmt: skip
-        # The returned state's cotangents: one more "step" after the last, with n = the final count.
-        zero = torch.zeros(b, groups, device=x.device, dtype=f64)
-        gm = zero if g_mean is None else g_mean.to(f64)
-        gv = zero if g_var is None else g_var.to(f64)
-        inv_nf = torch.where(n_final > 0, 1.0 / n_final.clamp(min=1), 0.0)
-        a_end = (gm - 2 * gv * (mean_f - cs.to(f64))) * inv_nf
-        b_end = gv * inv_nf
-        s64 = sums.to(f64)
-        rev = torch.flip(torch.cumsum(torch.flip(s64, [1]), 1), [1])  # Σ over tiles >= c
-        carry = rev - s64 + torch.stack([a_end, b_end], -1).unsqueeze(1)
-        total = rev[:, 0] + torch.stack([a_end, b_end], -1)  # [B, G, 2]
-        carry = carry.to(torch.float32).contiguous()
-        dx = torch.empty_like(x)
-        dw_part = torch.empty(b * nc, d, device=x.device, dtype=torch.float32)
-        db_part = torch.empty(b * nc, d, device=x.device, dtype=torch.float32)
-        _bwd_dx[grid](
-            x, pad_arg, gy, w, starts, cs, carry, dx, dw_part, db_part, length, d, groups, nc, dg, eps,
-            HAS_PAD=pad is not None, BT=bt, BF=bf, num_warps=warps,
-        )  # fmt: skip
-        n0 = count0.to(f64).view(-1, 1)
-        g_mean0 = n0 * (total[..., 0] + 2 * (mean0.to(f64) - cs.to(f64)) * total[..., 1])
-        g_var0 = n0 * total[..., 1]
-        empty = n_final == 0  # nothing seen at all: the state passes through unchanged
-        g_mean0 = torch.where(empty, gm, g_mean0)
-        g_var0 = torch.where(empty, gv, g_var0)
-        dw = dw_part.sum(0).to(w.dtype)
-        db = db_part.sum(0).to(w.dtype)
-        return dx, dw, db, g_mean0.to(mean0.dtype), g_var0.to(mean0.dtype), None, None, None, None, None
+        dx, dw, db, g_mean0, g_var0 = _backward(
+            x, pad, w, gy, g_mean, g_var, count0, mean0, mean_f, saved, ctx.groups, ctx.eps, ctx.cfg
+        )
+        grads = (g.to(dtype) for g, dtype in zip((dw, db, g_mean0, g_var0), ctx.dtypes))
+        return (dx, *grads, None, None, None, None, None)
 
 
 @torch.compiler.disable
