@@ -13,6 +13,7 @@ Every module re-initialises itself with ``reset_parameters()``, so models can be
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -155,7 +156,16 @@ class ComplexEMA(nn.Module):
         nn.init.trunc_normal_(self.omega, 0.0, 0.25, -1.0, 1.0)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
+        """(p, q, gamma) of SPEC §2; without autograd (decoding) cached until a parameter changes."""
+        if torch.is_grad_enabled():
+            return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
+        params = (self.alpha, self.delta, self.theta, self.gamma)
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in params)
+        cached = getattr(self, "_coefficient_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, cema_coefficients(*params))
+            self._coefficient_cache = cached
+        return cached[1]
 
     def forward(
         self,
@@ -179,12 +189,16 @@ class ComplexEMA(nn.Module):
 # --------------------------------------------------------------------------- attention layer
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(d: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    return base ** (-torch.arange(0, d, 2, device=device, dtype=dtype) / d)
+
+
 def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     """Rotary embedding on interleaved pairs (x[2i], x[2i+1]). x: [B, L, h, d]; positions: [L]."""
     d = x.shape[-1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
-    angle = positions.to(dtype).unsqueeze(-1) * inv_freq  # [L, d/2]
+    angle = positions.to(dtype).unsqueeze(-1) * _inv_freq(d, base, x.device, dtype)  # [L, d/2]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
     xr = x.to(dtype).unflatten(-1, (d // 2, 2))
     x0, x1 = xr[..., 0], xr[..., 1]

@@ -139,8 +139,10 @@ def attention_with_cache(q: Tensor, k: Tensor, v: Tensor, cache_len: int) -> Ten
     """
     length = q.shape[1]
     total = k.shape[1]
-    qi = torch.arange(length, device=q.device).view(length, 1) + cache_len
-    mask = torch.arange(total, device=q.device).view(1, total) <= qi
+    mask = None  # one new query sees every cached key and itself
+    if length > 1:
+        qi = torch.arange(length, device=q.device).view(length, 1) + cache_len
+        mask = torch.arange(total, device=q.device).view(1, total) <= qi
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=1.0
     )

@@ -62,6 +62,8 @@ def timestep_norm(
     """
     _check(x, weight, num_groups, padding_mask)
     b, length, d = x.shape
+    if length == 1 and padding_mask is None and state is not None:
+        return _single_step(x, weight, bias, num_groups, eps, state)
     g = num_groups
     sdt = _stat_dtype(x)
     acc = torch.float64  # dtype of the running sums over time
@@ -113,6 +115,26 @@ def timestep_norm(
     else:
         count, mean, var_out = count0, mean0.to(sdt), var0.to(sdt)
     return y.to(x.dtype), (count, mean, var_out)
+
+
+def _single_step(
+    x: Tensor, weight: Tensor, bias: Tensor, g: int, eps: float, state: NormState
+) -> tuple[Tensor, NormState]:
+    """One new step (decoding): the Welford update of SPEC §3 directly, in float64 for the statistics."""
+    b, _, d = x.shape
+    count0, mean0, var0 = state
+    sdt = _stat_dtype(x)
+    xg = x.to(sdt).reshape(b, g, d // g)
+    var_t, mu_t = torch.var_mean(xg.double(), dim=-1, unbiased=False)  # [B, G]
+    n0 = count0.double().unsqueeze(-1)
+    n = n0 + 1
+    delta = mu_t - mean0.double()
+    mean = mean0.double() + delta / n
+    var = (n0 / n) * var0.double() + var_t / n + (n0 / n.square()) * delta.square()
+    rstd = torch.rsqrt(var + eps).to(sdt)
+    y = (xg - mean.to(sdt).unsqueeze(-1)) * rstd.unsqueeze(-1)
+    y = y.reshape(b, 1, d) * (1 + weight.to(sdt)) + bias.to(sdt)
+    return y.to(x.dtype), (count0 + 1, mean.to(mean0.dtype), var.to(var0.dtype))
 
 
 def merge_norm_states(a: NormState, b: NormState) -> NormState:
