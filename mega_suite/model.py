@@ -216,14 +216,63 @@ class NormWindow:
 
 
 @dataclass
+class ChunkKV:
+    """Keys and values of the unfinished chunk, in buffers of C rows: appending a token costs O(1).
+
+    Caches may share buffers (one cache continued twice): each reads only its first ``length`` rows, and
+    appending where another cache already wrote copies the buffers first (copy on write). Under autograd the
+    buffers are never written in place.
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, length: int, mark: list[int]):
+        self.k_buf, self.v_buf, self.length, self.mark = k, v, length, mark
+
+    @staticmethod
+    def new(k: Tensor, v: Tensor, capacity: int) -> ChunkKV:
+        n = k.shape[1]
+        if torch.is_grad_enabled():
+            return ChunkKV(k, v, n, [n])
+        kb = k.new_empty(k.shape[0], max(capacity, n), *k.shape[2:])
+        vb = v.new_empty(v.shape[0], max(capacity, n), *v.shape[2:])
+        kb[:, :n], vb[:, :n] = k, v
+        return ChunkKV(kb, vb, n, [n])
+
+    def append(self, k: Tensor, v: Tensor) -> ChunkKV:
+        n, l = self.length, k.shape[1]
+        if torch.is_grad_enabled():
+            return ChunkKV(torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1), n + l, [n + l])
+        kb, vb, mark = self.k_buf, self.v_buf, self.mark
+        if mark[0] != n or n + l > kb.shape[1]:  # shared beyond our rows, or full: copy first
+            return ChunkKV.new(torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1), kb.shape[1])
+        kb[:, n : n + l], vb[:, n : n + l] = k, v
+        mark[0] = n + l
+        return ChunkKV(kb, vb, n + l, mark)
+
+    @property
+    def keys(self) -> Tensor:
+        return self.k_buf[:, : self.length]
+
+    @property
+    def values(self) -> Tensor:
+        return self.v_buf[:, : self.length]
+
+
+@dataclass
 class LayerCache:
     """Streaming state of one block: TimestepNorm statistics, CEMA state, KV of the unfinished chunk."""
 
     norm: NormState
     cema: Tensor  # [B, D, N] complex
-    k: Tensor | None = None  # [B, n < C, h, Z/h]
-    v: Tensor | None = None  # [B, n < C, h, E/h]
+    kv: ChunkKV | None = None  # at most C - 1 tokens
     window: NormWindow | None = None  # windowed-statistics mode only
+
+    @property
+    def k(self) -> Tensor | None:  # [B, n < C, h, Z/h]
+        return None if self.kv is None else self.kv.keys
+
+    @property
+    def v(self) -> Tensor | None:  # [B, n < C, h, E/h]
+        return None if self.kv is None else self.kv.values
 
 
 class MegalodonAttention(nn.Module):
@@ -297,21 +346,18 @@ class MegalodonAttention(nn.Module):
             q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
             o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
-                tail = length % c  # keys of the unfinished last chunk stay cached
-                kc, vc = (k[:, length - tail :], v[:, length - tail :]) if tail else (None, None)
-                new_cache = LayerCache(norm_state, h_last, kc, vc, cache.window)
+                tail = length % c  # keys of the unfinished last chunk stay cached (copied: bounded memory)
+                kv = ChunkKV.new(k[:, length - tail :], v[:, length - tail :], c) if tail else None
+                new_cache = LayerCache(norm_state, h_last, kv, cache.window)
         else:
             if offset + length > c:
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
             positions = torch.arange(offset, offset + length, device=x.device)
             q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
-            kc = k if cache.k is None else torch.cat([cache.k, k], 1)
-            vc = v if cache.v is None else torch.cat([cache.v, v], 1)
-            o = attention_with_cache(q, kc, vc, offset)
+            kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.append(k, v)
+            o = attention_with_cache(q, kv.keys, kv.values, offset)
             full = offset + length == c
-            new_cache = LayerCache(
-                norm_state, h_last, None if full else kc, None if full else vc, cache.window
-            )
+            new_cache = LayerCache(norm_state, h_last, None if full else kv, cache.window)
         o = o.reshape(*o.shape[:2], -1)
         gated = F.dropout(o * r, cfg.hidden_dropout, self.training)
         out = self.wh1(m) + self.wh2(gated)
@@ -387,7 +433,8 @@ class StreamingCache:
     final_window: NormWindow | None = None
 
     def memory_bytes(self) -> int:
-        tensors = [t for lc in self.layers for t in (*lc.norm, lc.cema, lc.k, lc.v) if t is not None]
+        tensors = [t for lc in self.layers for t in (*lc.norm, lc.cema) if t is not None]
+        tensors += [t for lc in self.layers if lc.kv is not None for t in (lc.kv.k_buf, lc.kv.v_buf)]
         tensors += list(self.final_norm)
         return sum(t.numel() * t.element_size() for t in tensors)
 
