@@ -114,6 +114,8 @@ def chunk_attention(
     pad_keep = None if key_padding_mask is None else ~key_padding_mask.reshape(b * nc, 1, 1, c)
     if pad_keep is None and dropout_p == 0.0:
         o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, scale=1.0)
+    elif dropout_p == 0.0 and not causal:  # key padding only: a broadcast [N, 1, 1, C] mask, no blocking
+        o = _masked_attention(qf, kf, vf, pad_keep, False, 0.0, 0)
     else:
         # Masks are [rows, C] per (chunk, head): process query rows in blocks small enough that the mask and
         # SDPA's float copy of it stay bounded, recomputing each block in backward (RNG state included).
