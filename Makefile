@@ -26,8 +26,10 @@ lint: .venv/.synced
 	.venv/bin/ruff format --check .
 
 bench: .venv/.synced
-	$(PY) bench/block.py
-	$(PY) bench/cema.py
+	$(PY) -m bench.block
+	$(PY) -m bench.cema
+	$(PY) -m bench.cpu_bar
+	$(PY) -m bench.kernels
 
 clean:
 	rm -rf .venv .pytest_cache
