@@ -5,7 +5,7 @@ Writes a PG19-layout data set whose validation split is one long generated book,
 memory and speed, not perplexity) and samples the resident memory every 0.5 s. Memory must not grow with
 the context length: the streaming cache is O(chunk size).
 
-    .venv/bin/python bench/long_context.py --words 700000
+    .venv/bin/python -m bench.long_context --words 1000000   (as a module: bench/kernels.py would shadow the kernels package)
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--words", type=int, default=700_000, help="words in the validation book")
+    parser.add_argument("--words", type=int, default=1_000_000, help="words in the validation book")
     parser.add_argument("--contexts", default="4096,65536,1048576", help="context lengths to evaluate")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 when the machine is shared)")
     args = parser.parse_args()
 
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from mega_suite.runner import run
     from mega_suite.settings import load_config
 
