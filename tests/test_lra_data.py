@@ -50,14 +50,9 @@ def items(dataset):
 
 
 def test_registry():
-    assert set(DATAMODULES) == {
-        "listops",
-        "lra_text",
-        "lra_retrieval",
-        "lra_image",
-        "lra_pathfinder",
-        "lra_pathx",
-    }
+    lra = {"listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder", "lra_pathx"}
+    others = {"sc_raw", "imagenet", "wt103", "pg19", "pretrain"}
+    assert set(DATAMODULES) == lra | others
     with pytest.raises(KeyError, match="'lra_nope'.*listops.*lra_text"):
         build_datamodule("lra_nope", data_dir=".", batch_size=1)
 
