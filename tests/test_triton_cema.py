@@ -13,41 +13,19 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: run the kernels under the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib  # noqa: E402
-
 import oracles  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_support import DEVICE, INTERPRET, gpu_only, nan_allocations, needs_device  # noqa: E402,F401
+
 from kernels.cema import reference  # noqa: E402
 from kernels.cema import triton as fused  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-needs_device = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(), reason="needs the Triton interpreter or CUDA"
-)
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 pytestmark = needs_device
 
 TOL = 2e-5  # max |err| / max |ref| for float32 kernels against the float64 reference
-
-
-@contextlib.contextmanager
-def nan_allocations():
-    """torch.empty / empty_like return NaN-filled floating tensors: unwritten elements become visible."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = lambda *a, **k: fill(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 def make_case(B, L, D, N, seed, bidirectional=False, h0=False, padding=False, memory=-2.5):

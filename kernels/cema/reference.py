@@ -177,6 +177,23 @@ def cema_step(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, omega: Tensor, h: 
     return y + omega * x, h
 
 
+def check_cema_args(x, p, q, gamma, h0, bidirectional, padding_mask, return_state) -> None:
+    """Shape checks shared by every CEMA implementation; errors name the offending shapes."""
+    if x.dim() != 3:
+        raise ValueError(f"cema expects x of shape [B, L, D], got {tuple(x.shape)}")
+    b, length, d = x.shape
+    rows = 2 * d if bidirectional else d
+    if p.shape[0] != rows or q.shape != p.shape or gamma.shape != p.shape:
+        raise ValueError(
+            f"cema coefficients must be [{rows}, N] for D={d} (bidirectional={bidirectional}); "
+            f"got p {tuple(p.shape)}, q {tuple(q.shape)}, gamma {tuple(gamma.shape)}"
+        )
+    if bidirectional and (h0 is not None or return_state):
+        raise ValueError("bidirectional CEMA has no carried state: h0 must be None and return_state False")
+    if padding_mask is not None and padding_mask.shape != (b, length):
+        raise ValueError(f"padding_mask must be [B, L] = {(b, length)}, got {tuple(padding_mask.shape)}")
+
+
 def cema(
     x: Tensor,
     p: Tensor,
@@ -206,17 +223,8 @@ def cema(
     Returns:
         y [B, L, D] in x's dtype, and h_last [B, D, N] complex or None.
     """
-    if x.dim() != 3:
-        raise ValueError(f"cema expects x of shape [B, L, D], got {tuple(x.shape)}")
+    check_cema_args(x, p, q, gamma, h0, bidirectional, padding_mask, return_state)
     b, length, d = x.shape
-    rows = 2 * d if bidirectional else d
-    if p.shape[0] != rows or q.shape != p.shape or gamma.shape != p.shape:
-        raise ValueError(
-            f"cema coefficients must be [{rows}, N] for D={d} (bidirectional={bidirectional}); "
-            f"got p {tuple(p.shape)}, q {tuple(q.shape)}, gamma {tuple(gamma.shape)}"
-        )
-    if bidirectional and (h0 is not None or return_state):
-        raise ValueError("bidirectional CEMA has no carried state: h0 must be None and return_state False")
     if method not in ("auto", "fft", "chunked", "sequential"):
         raise ValueError(f"cema method must be one of auto, fft, chunked, sequential; got {method!r}")
     out_dtype = x.dtype
