@@ -5,18 +5,22 @@ Writes a PG19-layout data set whose validation split is one long generated book,
 memory and speed, not perplexity) and samples the resident memory every 0.5 s. Memory must not grow with
 the context length: the streaming cache is O(chunk size).
 
-    .venv/bin/python -m bench.long_context --words 1000000   (as a module: bench/kernels.py would shadow the kernels package)
+    .venv/bin/python -m bench.long_context --words 1000000
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+if __package__ in (None, ""):  # run as `python bench/long_context.py`: the repository root must come first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORDS = (
     "the of and to a in that was his he it with is for as had you not be her on at by which have or from this "
