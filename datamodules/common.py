@@ -22,6 +22,13 @@ class ResumableSampler(DistributedSampler):
     Under ``torch.distributed`` (or with explicit ``num_replicas``/``rank``) each rank takes every
     ``num_replicas``-th index of the order, padded by repetition to equal length as ``DistributedSampler``
     does. It *is* a ``DistributedSampler`` so that Lightning keeps it rather than wrapping it in one.
+
+    Length bucketing (``lengths`` and ``bucket_batches > 0``): the shuffled order is cut into windows of
+    ``bucket_batches`` global batches (``batch_size * num_replicas`` items), each window is sorted by length
+    and cut into batches, and the full batches of the whole epoch are shuffled (the one partial batch, if
+    any, stays last). Every batch then holds items of similar length, so padding nearly vanishes, while
+    the order still depends only on ``(seed, epoch)`` and resumes exactly. (Each batch is then a sample of
+    one length range rather than of the whole set; across the epoch every item is still seen once.)
     """
 
     def __init__(
@@ -31,6 +38,9 @@ class ResumableSampler(DistributedSampler):
         shuffle: bool = True,
         num_replicas: int | None = None,
         rank: int | None = None,
+        lengths: np.ndarray | None = None,
+        batch_size: int = 1,
+        bucket_batches: int = 0,
     ):
         if num_replicas is None:
             distributed = dist.is_available() and dist.is_initialized()
@@ -38,6 +48,15 @@ class ResumableSampler(DistributedSampler):
             rank = dist.get_rank() if distributed else 0
         super().__init__(range(length), num_replicas=num_replicas, rank=rank or 0, shuffle=shuffle, seed=seed)
         self.length = length
+        if bucket_batches < 0:
+            raise ValueError(f"bucket_batches must be >= 0 (0 = no length bucketing), got {bucket_batches}")
+        if bucket_batches and lengths is None:
+            raise ValueError("length bucketing (bucket_batches > 0) needs the item lengths")
+        if lengths is not None and len(lengths) != length:
+            raise ValueError(f"lengths has {len(lengths)} entries for a data set of {length} items")
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.batch_size = batch_size
+        self.bucket_batches = bucket_batches
         self._resume_offset = 0  # where the next iteration starts in this epoch's order
         self._consumed = 0  # indices handed out by the current iteration, counting the offset
 
@@ -53,6 +72,14 @@ class ResumableSampler(DistributedSampler):
         """This rank's full order for ``epoch``."""
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.length)
+            if self.bucket_batches:
+                order = bucket_by_length(
+                    order,
+                    self.lengths,
+                    self.batch_size * self.num_replicas,
+                    self.bucket_batches,
+                    np.random.default_rng([self.seed, epoch, 1]),
+                )
         else:
             order = np.arange(self.length)
         if self.total_size > self.length:
@@ -74,6 +101,27 @@ class ResumableSampler(DistributedSampler):
         if consumed >= self.num_samples:  # a finished epoch resumes as the start of the next one
             epoch, consumed = epoch + 1, 0
         self.epoch, self._resume_offset, self._consumed = epoch, consumed, consumed
+
+
+def bucket_by_length(
+    order: np.ndarray, lengths: np.ndarray, batch_size: int, window_batches: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Reorder ``order`` so that each consecutive run of ``batch_size`` items has similar lengths.
+
+    Windows of ``window_batches * batch_size`` items are sorted by length (stable) and cut into batches;
+    the full batches are then shuffled with ``rng`` and the partial one (at most one) is put last.
+    """
+    if batch_size < 1 or window_batches < 1:
+        raise ValueError(f"batch_size and window_batches must be >= 1, got {batch_size}, {window_batches}")
+    window = batch_size * window_batches
+    full, partial = [], []
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        for b in range(0, len(chunk), batch_size):
+            (full if b + batch_size <= len(chunk) else partial).append(chunk[b : b + batch_size])
+    batches = [full[i] for i in rng.permutation(len(full))] + partial
+    return np.concatenate(batches) if batches else order[:0]
 
 
 class ResumableDataLoader(DataLoader):

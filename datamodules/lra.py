@@ -104,6 +104,9 @@ class RaggedBytes:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.flat[self.offsets[i] : self.offsets[i + 1]]
 
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
 
 def _token_tensor(values: np.ndarray, max_length: int, id_offset: int) -> torch.Tensor:
     return torch.from_numpy(values[:max_length].astype(np.int64)) + id_offset
@@ -118,6 +121,10 @@ class TokenDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def lengths(self) -> np.ndarray:
+        """Item lengths after truncation (for length bucketing)."""
+        return np.minimum(self.sequences.lengths(), self.max_length)
 
     def __getitem__(self, i: int) -> dict:
         return {
@@ -134,6 +141,11 @@ class TokenPairDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def lengths(self) -> np.ndarray:
+        """The longer document of each pair after truncation (it sets the padded batch length)."""
+        doc = np.minimum(self.documents.lengths(), self.max_length)
+        return np.maximum(doc[self.pairs[:, 0]], doc[self.pairs[:, 1]])
 
     def __getitem__(self, i: int) -> dict:
         first, second = self.pairs[i]
@@ -200,6 +212,7 @@ class LRADataModule(L.LightningDataModule):
         seed: int = 42,
         max_length: int | None = None,
         pad_to_multiple: int = 1,
+        bucket_batches: int = 0,
     ):
         super().__init__()
         if self.input_type == "scalar" and max_length not in (None, self.default_max_length):
@@ -213,6 +226,9 @@ class LRADataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed  # training order only; data splits have their own fixed seed
         self.max_length = self.default_max_length if max_length is None else max_length
+        if bucket_batches < 0:
+            raise ValueError(f"bucket_batches must be >= 0 (0 = no length bucketing), got {bucket_batches}")
+        self.bucket_batches = bucket_batches  # token tasks: batch by length in windows of this many batches
         self.collate = PadCollate(pad_to_multiple, ("input1", "input2") if self.is_retrieval else ("input",))
         self.datasets: dict[str, Dataset] = {}
 
@@ -233,7 +249,15 @@ class LRADataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.datasets["train"]
-        sampler = ResumableSampler(len(dataset), seed=self.seed, shuffle=True)
+        bucket = self.bucket_batches if hasattr(dataset, "lengths") else 0  # fixed-length pixels: no-op
+        sampler = ResumableSampler(
+            len(dataset),
+            seed=self.seed,
+            shuffle=True,
+            lengths=dataset.lengths() if bucket else None,
+            batch_size=self.batch_size,
+            bucket_batches=bucket,
+        )
         return ResumableDataLoader(dataset, sampler=sampler, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
@@ -262,10 +286,11 @@ class ListOpsDataModule(LRADataModule):
         seed: int = 42,
         max_length: int | None = None,
         pad_to_multiple: int = 1,
+        bucket_batches: int = 0,
         generator_seed: int = 0,
         generate_sizes: tuple[int, int, int] = (96000, 2000, 2000),
     ):
-        super().__init__(data_dir, batch_size, num_workers, seed, max_length, pad_to_multiple)
+        super().__init__(data_dir, batch_size, num_workers, seed, max_length, pad_to_multiple, bucket_batches)
         self.generator_seed = generator_seed
         self.generate_sizes = tuple(generate_sizes)
 

@@ -142,6 +142,68 @@ class GracefulStop(L.Callback):
         self._previous.clear()
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _metric_text(metrics: dict[str, Any], prefixes: tuple[str, ...]) -> str:
+    parts = []
+    for key in sorted(metrics):
+        if key.startswith(prefixes) and not key.endswith("_epoch"):
+            value = float(metrics[key])
+            parts.append(f"{key.removesuffix('_step')} {value:.4g}")
+    return "  ".join(parts)
+
+
+class LogLines(L.Callback):
+    """Plain progress lines for logs and non-interactive runs (``trainer.progress_bar=false``).
+
+    Every ``every`` optimizer steps: step, the mean training loss over those steps, the last step's
+    logged metrics, learning rate, seconds per step and the ETA to ``max_steps``; after every validation:
+    all validation and test metrics with the step.
+    """
+
+    def __init__(self, every: int = 50, print_fn=print):
+        self.every = max(1, every)
+        self.print = print_fn
+        self._t0: float | None = None
+        self._step0 = 0
+        self._losses: list[float] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t0, self._step0 = time.monotonic(), trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(float(loss.detach()))
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == 0 or step % self.every or self._t0 is None:
+            return
+        if getattr(self, "_last_printed", None) == step:  # gradient accumulation: one line per step
+            return
+        self._last_printed = step
+        mean_loss = f"loss(mean) {sum(self._losses) / len(self._losses):.4g}  " if self._losses else ""
+        self._losses.clear()
+        per_step = (time.monotonic() - self._t0) / max(1, step - self._step0)
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        where = f"step {step}/{total}" if total else f"step {step}"
+        eta = f"  ETA {_duration(per_step * (total - step))}" if total else ""
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
+        metrics = _metric_text(trainer.callback_metrics, ("train/loss", "train/acc", "train/ppl"))
+        self.print(
+            f"[train] {where}  {mean_loss}{metrics}  lr {lr:.3g}  {per_step:.2f} s/step{eta}", flush=True
+        )
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        metrics = _metric_text(trainer.callback_metrics, ("val/", "test/"))
+        self.print(f"[eval] step {trainer.global_step}  {metrics}", flush=True)
+
+
 class StepProgressBar(TQDMProgressBar):
     """The training bar counts optimizer steps towards ``max_steps`` (so its ETA is the run's)."""
 

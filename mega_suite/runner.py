@@ -11,7 +11,14 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mega_suite.callbacks import AtomicCheckpointIO, GracefulStop, StepProgressBar, StepSeed, Throughput
+from mega_suite.callbacks import (
+    AtomicCheckpointIO,
+    GracefulStop,
+    LogLines,
+    StepProgressBar,
+    StepSeed,
+    Throughput,
+)
 from mega_suite.lightning import NonFiniteLossError, build_module
 from mega_suite.settings import model_config, to_yaml
 
@@ -201,8 +208,7 @@ def build_trainer(
         GracefulStop(ckpt_dir / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
     ]
-    if t.progress_bar:
-        callbacks.append(StepProgressBar())
+    callbacks.append(StepProgressBar() if t.progress_bar else LogLines(t.log_every_n_steps))
     logger = TensorBoardLogger(save_dir=str(run_dir), name="", version="", default_hp_metric=False)
     limit_val = t.limit_val_batches if t.limit_val_batches <= 1.0 else int(t.limit_val_batches)
     limit_test = t.limit_test_batches if t.limit_test_batches <= 1.0 else int(t.limit_test_batches)

@@ -270,6 +270,54 @@ def test_resumable_sampler_order_and_resume():
     assert set(sum(ranks, [])) == set(range(10))
 
 
+def test_length_bucketing_batches_similar_lengths_and_resumes():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(500, 2000, size=203)
+    sampler = ResumableSampler(203, seed=3, lengths=lengths, batch_size=8, bucket_batches=5)
+    order = sampler.indices(0)
+    assert sorted(order) == list(range(203))  # a permutation: nothing lost or repeated
+    batches = [order[i : i + 8] for i in range(0, 203, 8)]
+    assert [len(b) for b in batches] == [8] * 25 + [3]  # full batches first, the partial one last
+    padded = sum(len(b) * lengths[b].max() for b in batches)
+    unbucketed = ResumableSampler(203, seed=3).indices(0)
+    padded_plain = sum(len(b) * lengths[b].max() for b in (unbucketed[i : i + 8] for i in range(0, 203, 8)))
+    assert padded < 1.1 * lengths.sum() < 0.8 * padded_plain  # padding nearly vanishes
+    # sorted within each window of 5 batches, yet the batch order is shuffled (not globally sorted)
+    assert all(np.all(np.diff(lengths[b]) >= 0) for b in batches)
+    assert not np.all(np.diff([lengths[b].max() for b in batches[:-1]]) >= 0)
+    # the order is a function of (seed, epoch): epochs differ, a resumed sampler continues it
+    assert sampler.indices(1) != order
+    it = iter(sampler)
+    head = [next(it) for _ in range(40)]
+    resumed = ResumableSampler(203, seed=3, lengths=lengths, batch_size=8, bucket_batches=5)
+    resumed.load_state_dict(sampler.state_dict())
+    assert head + list(resumed) == order
+    # two ranks of 4: global batch k (8 items, sorted together) is split between the ranks' batch k
+    ranks = [
+        ResumableSampler(203, seed=3, lengths=lengths, batch_size=4, bucket_batches=5, num_replicas=2, rank=r)
+        for r in range(2)
+    ]
+    a, b = (r.indices(0) for r in ranks)
+    assert len(a) == len(b) == 102 and set(a) | set(b) == set(range(203))
+    for k in range(25):
+        assert set(a[4 * k : 4 * k + 4]) | set(b[4 * k : 4 * k + 4]) == set(order[8 * k : 8 * k + 8])
+    with pytest.raises(ValueError, match="needs the item lengths"):
+        ResumableSampler(10, seed=0, batch_size=2, bucket_batches=3)
+    with pytest.raises(ValueError, match="lengths has 9 entries for a data set of 10"):
+        ResumableSampler(10, seed=0, lengths=np.ones(9), batch_size=2, bucket_batches=3)
+    with pytest.raises(ValueError, match="bucket_batches must be >= 0.*got -1"):
+        ResumableSampler(10, seed=0, lengths=np.ones(10), batch_size=2, bucket_batches=-1)
+
+
+def test_listops_bucketed_loader(lra):
+    dm = make("listops", lra.data_dir, batch_size=2, bucket_batches=2)
+    batches = list(dm.train_dataloader())
+    labels = sorted(sum((b["label"].tolist() for b in batches), []))
+    assert labels == sorted(t for _, t in LISTOPS_ROWS["train"])
+    for batch in batches:
+        check_batch(batch)
+
+
 class _Indices(Dataset):
     def __len__(self):
         return 22

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,11 +103,17 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return state["state_dict"], state["global_step"]
 
 
-def test_resume_reaches_the_same_weights(listops_dir, tmp_path):
+def test_resume_reaches_the_same_weights(listops_dir, tmp_path, capsys):
     from mega_suite.runner import run
 
     steps = ["trainer.max_steps=6", "trainer.val_check_interval=4"]
     full = run(tiny_config(listops_dir, tmp_path / "a", *steps))
+    # without a progress bar, progress goes to plain lines: every step here, and every evaluation
+    printed = capsys.readouterr().out
+    assert re.search(
+        r"^\[train\] step 5/6  loss\(mean\) \d.*train/loss \d.* lr .* s/step  ETA ", printed, re.M
+    ), printed
+    assert re.search(r"^\[eval\] step 4 .*test/acc .*val/acc \d", printed, re.M), printed
     ref, ref_step = _weights(Path(full["run_dir"]) / "checkpoints" / "last.ckpt")
     assert ref_step == 6
 
