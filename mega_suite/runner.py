@@ -260,6 +260,8 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
         trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
         total_steps=cfg.trainer.max_steps,
     )
+    if cfg.init_from:
+        init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
     if cfg.trainer.compile:
         module.model = torch.compile(module.model)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
@@ -291,6 +293,28 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
         raise ValueError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
     metrics["run_dir"] = str(run_dir)
     return metrics
+
+
+def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
+    """Fine-tuning: the model weights of a suite checkpoint (``.ckpt``) or a reference state dict, loaded
+    strictly (every name and shape must match); optimizer, schedule and step start afresh."""
+    if mode != "fit":
+        raise ValueError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
+    if resuming:
+        print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
+        return
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"init_from={path}: no such checkpoint file")
+    from mega_suite.checkpoint import load_reference
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = state.get("state_dict", state.get("model", state)) if isinstance(state, dict) else state
+    weights = {k: v for k, v in state.items() if k.startswith("model.")} or state
+    try:
+        load_reference(module.model, weights)
+    except ValueError as exc:
+        raise ValueError(f"init_from={path}: {exc}") from None
+    print(f"[mega-suite] model weights initialised from {path}")
 
 
 def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class RunConfig:
     run_dir: str | None = None  # set to reuse a directory
     resume: str | None = None  # auto | path to a .ckpt or a run directory
     ckpt: str | None = None  # checkpoint for validate / test
+    init_from: str | None = None  # fit: start from this checkpoint's model weights (new optimizer, step 0)
     eval_context_lengths: list[int] = field(
         default_factory=list
     )  # mode=eval_context; empty: 4K, 8K, ... longest

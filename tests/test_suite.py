@@ -198,3 +198,33 @@ def test_non_finite_loss_stops_with_clear_error_and_keeps_checkpoint(listops_dir
     assert last, "the last good checkpoint survives"
     state, step = _weights(last[0])
     assert step == 3 and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_init_from_starts_a_new_run_from_checkpoint_weights(listops_dir, tmp_path):
+    from mega_suite.runner import run
+
+    source = run(
+        tiny_config(listops_dir, tmp_path / "a", "trainer.max_steps=2", "trainer.val_check_interval=2")
+    )
+    ckpt = Path(source["run_dir"]) / "checkpoints" / "last.ckpt"
+    trained, _ = _weights(ckpt)
+    # lr 1e-30: the one step leaves the loaded weights as they were; the step count starts afresh
+    tuned = run(
+        tiny_config(
+            listops_dir, tmp_path / "b", f"init_from={ckpt}", "optim.lr=1e-30", "trainer.max_steps=1",
+            "trainer.val_check_interval=1", "data.max_length=64",
+        )
+    )  # fmt: skip
+    out, step = _weights(Path(tuned["run_dir"]) / "checkpoints" / "last.ckpt")
+    assert step == 1
+    for key in trained:
+        torch.testing.assert_close(out[key], trained[key], rtol=0, atol=1e-20, msg=key)
+    with pytest.raises(FileNotFoundError, match="init_from=.*nope.ckpt: no such checkpoint"):
+        run(tiny_config(listops_dir, tmp_path / "c", f"init_from={tmp_path / 'nope.ckpt'}"))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)init_from=.*shape mismatches: \['encoder.embed.weight: checkpoint \(16, 16\) vs model \(16, 32\)",
+    ):
+        run(tiny_config(listops_dir, tmp_path / "d", f"init_from={ckpt}", "model.model_dim=32"))
+    with pytest.raises(ValueError, match="init_from applies to mode=fit"):
+        run(tiny_config(listops_dir, tmp_path / "e", f"init_from={ckpt}", "mode=test", f"ckpt={ckpt}"))
