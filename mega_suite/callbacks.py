@@ -171,6 +171,7 @@ class LogLines(L.Callback):
         self._t0: float | None = None
         self._step0 = 0
         self._losses: list[float] = []
+        self._last_printed = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t0, self._step0 = time.monotonic(), trainer.global_step
@@ -182,7 +183,7 @@ class LogLines(L.Callback):
         step = trainer.global_step
         if not trainer.is_global_zero or step == 0 or step % self.every or self._t0 is None:
             return
-        if getattr(self, "_last_printed", None) == step:  # gradient accumulation: one line per step
+        if self._last_printed == step:  # gradient accumulation: one line per step
             return
         self._last_printed = step
         mean_loss = f"loss(mean) {sum(self._losses) / len(self._losses):.4g}  " if self._losses else ""

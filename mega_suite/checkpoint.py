@@ -83,8 +83,11 @@ def load_reference(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module
 
 
 def load_reference_file(model: nn.Module, path: str) -> nn.Module:
-    """Load a reference checkpoint file (``torch.save`` of a state dict, or a dict with a "model" entry)."""
+    """Load a checkpoint file's model weights strictly: ``torch.save`` of a state dict, a dict with a
+    "model" entry, or one of the suite's Lightning checkpoints (the ``model.`` entries of "state_dict")."""
     obj = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = {k: v for k, v in obj["state_dict"].items() if k.startswith("model.")}
+    elif isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         obj = obj["model"]
     return load_reference(model, obj)

@@ -305,13 +305,10 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
         return
     if not Path(path).is_file():
         raise FileNotFoundError(f"init_from={path}: no such checkpoint file")
-    from mega_suite.checkpoint import load_reference
+    from mega_suite.checkpoint import load_reference_file
 
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state.get("model", state)) if isinstance(state, dict) else state
-    weights = {k: v for k, v in state.items() if k.startswith("model.")} or state
     try:
-        load_reference(module.model, weights)
+        load_reference_file(module.model, path)
     except ValueError as exc:
         raise ValueError(f"init_from={path}: {exc}") from None
     print(f"[mega-suite] model weights initialised from {path}")
