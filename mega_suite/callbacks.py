@@ -116,7 +116,9 @@ class GracefulStop(L.Callback):
             f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping."
         )
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Installed here, after Lightning registers its own SIGTERM handler (between on_fit_start and the fit
+        # loop), so ours replaces it: Lightning's would end the loop at the next epoch boundary without a save.
         if trainer.global_rank != 0 and trainer.world_size > 1:
             return
         try:

@@ -228,3 +228,25 @@ def test_init_from_starts_a_new_run_from_checkpoint_weights(listops_dir, tmp_pat
         run(tiny_config(listops_dir, tmp_path / "d", f"init_from={ckpt}", "model.model_dim=32"))
     with pytest.raises(ValueError, match="init_from applies to mode=fit"):
         run(tiny_config(listops_dir, tmp_path / "e", f"init_from={ckpt}", "mode=test", f"ckpt={ckpt}"))
+
+
+def test_sigterm_at_an_epoch_end_still_saves(listops_dir, tmp_path):
+    """A real SIGTERM after the last batch of an epoch: Lightning's own handler would end the fit loop at
+    the epoch boundary (SIGTERMException) before GracefulStop saw it; GracefulStop must still save."""
+    import lightning as L
+
+    from mega_suite.runner import run
+
+    killed_at = []
+
+    class _KillAtEpochEnd(L.Callback):  # runs after GracefulStop's on_train_batch_end
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not killed_at and batch_idx == trainer.num_training_batches - 1:
+                killed_at.append(trainer.global_step)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    steps = ["trainer.max_steps=1000", "trainer.val_check_interval=1000"]
+    out = run(tiny_config(listops_dir, tmp_path, *steps), extra_callbacks=[_KillAtEpochEnd()])
+    state, step = _weights(Path(out["run_dir"]) / "checkpoints" / "last.ckpt")
+    assert killed_at and step == killed_at[0] + 1  # saved after the next step, then stopped
+    assert state
