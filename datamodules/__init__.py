@@ -1,5 +1,6 @@
 """LightningDataModules of the suite, by name: readers of published on-disk layouts (see DATA.md)."""
 
+from .errors import DataError as DataError
 from .imagenet import ImageNetDataModule
 from .lra import (
     AANRetrievalDataModule,
