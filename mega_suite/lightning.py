@@ -63,7 +63,7 @@ class MegalodonModule(L.LightningModule):
         from mega_suite.parallel import apply_fsdp, uses_model_parallel
 
         if uses_model_parallel(self):
-            apply_fsdp(self.model, self.device_mesh, bf16=str(self.trainer.precision).startswith("bf16"))
+            apply_fsdp(self.model, self.device_mesh, bf16=self.trainer.precision == "bf16-mixed")
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):

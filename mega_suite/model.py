@@ -48,9 +48,82 @@ class Linear(nn.Linear):
         init_linear(self)
 
 
+# --------------------------------------------------------------------------- precision policy
+#
+# SPEC §1: under bf16 autocast the Linear layers (and the attention) compute in bf16, while CEMA (its
+# coefficients and FFT / scan), every norm's statistics and the logits stay float32 -- float64 in a float64
+# model. The modules that must stay float32 are declared once, with ``@float32_island``: their forward
+# runs with autocast off and low-precision inputs upcast. ``Backbone.float32_modules()`` lists them, and
+# FSDP2 (mega_suite.parallel) gives exactly those modules float32 parameters. The residual stream is float32
+# under every strategy: islands return float32, and a bf16 branch added to the float32 stream promotes.
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _upcast(obj):
+    if isinstance(obj, Tensor):
+        return obj.float() if obj.dtype in _LOW_PRECISION else obj
+    if isinstance(obj, tuple):  # a norm state (count, mean, var)
+        return tuple(_upcast(o) for o in obj)
+    return obj
+
+
+def _in_float32(method):
+    @functools.wraps(method)
+    def run_in_float32(self, *args, **kwargs):
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if (
+            device is None
+            or not torch.amp.is_autocast_available(device)
+            or not torch.is_autocast_enabled(device)
+        ):
+            return method(self, *args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return method(self, *map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
+
+    return run_in_float32
+
+
+def float32_island(*methods: str):
+    """Class decorator: the module is a float32 island of the precision policy.
+
+    The named methods (default ``forward``) run with autocast disabled and float16 / bfloat16 tensor
+    arguments upcast to float32, so everything inside them computes in the parameters' dtype (float32, or
+    float64 in a float64 model). Sets ``float32_island = True`` on the class, which is how
+    ``Backbone.float32_modules()`` (and through it FSDP2's mixed-precision policy) finds the islands.
+    """
+
+    def decorate(cls):
+        for name in methods or ("forward",):
+            setattr(cls, name, _in_float32(getattr(cls, name)))
+        cls.float32_island = True
+        return cls
+
+    return decorate
+
+
+def is_float32_island(module: nn.Module) -> bool:
+    return bool(getattr(module, "float32_island", False))
+
+
+class Backbone(nn.Module):
+    """What generic training code (Lightning modules, FSDP2) asks of a model instead of matching names."""
+
+    layers: nn.ModuleList
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards one by one before the root: the blocks."""
+        return list(self.layers)
+
+    def float32_modules(self) -> list[nn.Module]:
+        """The float32 islands (``@float32_island``): CEMA, every norm, the logits head."""
+        return [m for m in self.modules() if is_float32_island(m)]
+
+
 # --------------------------------------------------------------------------- norms
 
 
+@float32_island()
 class TimestepNorm(nn.Module):
     """Causal group norm with statistics carried across segments (SPEC §3).
 
@@ -95,6 +168,7 @@ class TimestepNorm(nn.Module):
         return f"{self.dim}, groups={self.num_groups}, eps={self.eps}, causal={self.causal}"
 
 
+@float32_island()
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * (1 + weight), statistics in float32."""
 
@@ -113,6 +187,7 @@ class RMSNorm(nn.Module):
         return (y * (1 + self.weight)).to(x.dtype)
 
 
+@float32_island()
 class LayerNorm(nn.LayerNorm):
     """LayerNorm with the plus-one affine: (1 + weight), bias; weight initialised to 0."""
 
@@ -127,6 +202,7 @@ class LayerNorm(nn.LayerNorm):
 # --------------------------------------------------------------------------- CEMA
 
 
+@float32_island()
 class ComplexEMA(nn.Module):
     """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
 
@@ -310,10 +386,16 @@ class MegalodonAttention(nn.Module):
         z_hat = zf * torch.rsqrt(zf.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
         scale = (1 + self.gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
         qk = z_hat.unsqueeze(0) * scale + self.beta.view(2, 1, 1, h, zd)
-        q, k = qk[0].to(m.dtype), qk[1].to(m.dtype)
+        q, k = qk[0], qk[1]  # float32 (float64): RoPE is applied before they take V's dtype
         v = F.silu(self.wv(x_hat)).view(b, length, h, -1)
         r = F.silu(self.wr(m))
         return q, k, v, r
+
+    def _rope(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE on the float32 Q, K, then V's dtype (the Linear layers' compute dtype: bf16 under autocast),
+        so Q, K and V reach ``chunk_attention`` in one dtype and the fused kernel can take them."""
+        base = self.cfg.rope_base
+        return rope(q, positions, base).to(v.dtype), rope(k, positions, base).to(v.dtype)
 
     def forward(
         self,
@@ -343,7 +425,7 @@ class MegalodonAttention(nn.Module):
         new_cache = None
         if cache is None or offset == 0:
             positions = torch.arange(length, device=x.device) % c
-            q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+            q, k = self._rope(q, k, v, positions)
             o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
                 tail = length % c  # keys of the unfinished last chunk stay cached (copied: bounded memory)
@@ -353,7 +435,7 @@ class MegalodonAttention(nn.Module):
             if offset + length > c:
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
             positions = torch.arange(offset, offset + length, device=x.device)
-            q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+            q, k = self._rope(q, k, v, positions)
             kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.append(k, v)
             o = attention_with_cache(q, kv.keys, kv.values, offset)
             full = offset + length == c
@@ -439,13 +521,18 @@ class StreamingCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@float32_island()
+class OutputProjection(Linear):
+    """Hidden states -> logits, computed in float32 (SPEC §5), not in bf16 and cast afterwards."""
+
+
 class OutputHead(nn.Module):
     """Final TimestepNorm and the output projection (reference names ``output.final_norm``, ``output.output``)."""
 
     def __init__(self, cfg: MegalodonConfig):
         super().__init__()
         self.final_norm = TimestepNorm(cfg.model_dim, cfg.norm_num_groups, cfg.norm_eps)
-        self.output = Linear(cfg.model_dim, cfg.vocab_size, bias=False)
+        self.output = OutputProjection(cfg.model_dim, cfg.vocab_size, bias=False)
 
 
 WINDOW_CHUNKS, WINDOW_AFTER = 6, 8  # SPEC §7: statistics of the last 6 chunks once 8 have been seen
@@ -463,6 +550,7 @@ def _unmerge(total: NormState, prefix: NormState) -> NormState:
     return total[0] - prefix[0], mean.to(total[1].dtype), var.to(total[2].dtype)
 
 
+@float32_island("forward", "log_prob", "embed")
 class AdaptiveSoftmax(nn.AdaptiveLogSoftmaxWithLoss):
     """Adaptive softmax (Grave et al.) whose bands also serve as the tied adaptive input (Baevski & Auli).
 
@@ -505,7 +593,7 @@ class AdaptiveSoftmax(nn.AdaptiveLogSoftmaxWithLoss):
         return -self(hidden, target).output
 
 
-class MegalodonLM(nn.Module):
+class MegalodonLM(Backbone):
     """Causal language model: embed -> blocks -> final TimestepNorm -> output projection (SPEC §5)."""
 
     def __init__(self, cfg: MegalodonConfig):
@@ -778,6 +866,7 @@ class PatchEncoder(nn.Module):
 ENCODERS = {"token": TokenEncoder, "scalar": ScalarEncoder, "patch": PatchEncoder}
 
 
+@float32_island()
 class ClassificationHead(nn.Module):
     """Masked mean over valid steps -> Linear(D, 2D) -> GELU -> dropout -> Linear(2D, classes)."""
 
@@ -794,7 +883,7 @@ class ClassificationHead(nn.Module):
         return out if out.dtype == torch.float64 else out.float()
 
 
-class MegalodonClassifier(nn.Module):
+class MegalodonClassifier(Backbone):
     """Encoder -> bidirectional blocks with group norm -> final group norm -> pooled head (SPEC §6)."""
 
     def __init__(self, cfg: MegalodonConfig):

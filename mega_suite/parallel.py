@@ -1,8 +1,13 @@
-"""FSDP2 sharding of Megalodon (torchtitan style): ``fully_shard`` per block, then the root.
+"""FSDP2 sharding (torchtitan style): ``fully_shard`` per unit the model names, then the root.
 
-Under bf16 mixed precision the blocks compute with bf16 parameters and reduce gradients in float32, while
-CEMA and every norm are their own FSDP units with float32 parameters (their coefficients, scans and
-statistics must stay float32, SPEC §1).
+The model declares what to shard and what stays float32 (``fsdp_units()``, ``float32_modules()``; see the
+precision policy in ``mega_suite.model``); nothing here matches parameter names. Under bf16-mixed:
+
+- each unit (block) all-gathers bf16 parameters and reduce-scatters float32 gradients; it does not cast its
+  inputs, so the residual stream stays float32 as under autocast on one device or DDP;
+- each float32 island inside a unit (CEMA, norms) is its own unit with float32 parameters;
+- the root (embedding, final norm, logits head) keeps float32 parameters: the stream enters the blocks in
+  float32 and the logits are float32 (SPEC §1, §5).
 """
 
 from __future__ import annotations
@@ -11,25 +16,27 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from mega_suite.model import ComplexEMA, LayerNorm, RMSNorm, TimestepNorm
-
-FLOAT32_MODULES = (ComplexEMA, TimestepNorm, RMSNorm, LayerNorm)
+FLOAT32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+BF16_UNITS = MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+)
 
 
 def apply_fsdp(
     model: nn.Module, mesh=None, bf16: bool = False, reshard_after_forward: bool = True
 ) -> nn.Module:
-    """Shard ``model`` (MegalodonLM or MegalodonClassifier) in place over ``mesh`` (default: the world)."""
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else fp32
+    """Shard ``model`` in place over ``mesh`` (default: the world); ``bf16`` for bf16-mixed training.
+
+    ``model`` provides ``fsdp_units()`` and ``float32_modules()`` (``mega_suite.model.Backbone``).
+    """
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for block in model.layers:
-        if bf16:
-            for sub in block.modules():
-                if isinstance(sub, FLOAT32_MODULES):
-                    fully_shard(sub, mp_policy=fp32, **kw)
-        fully_shard(block, mp_policy=policy, **kw)
-    fully_shard(model, mp_policy=policy, **kw)
+    islands = {id(m) for m in model.float32_modules()} if bf16 else set()
+    for unit in model.fsdp_units():
+        for sub in unit.modules():
+            if id(sub) in islands and sub is not unit:
+                fully_shard(sub, mp_policy=FLOAT32, **kw)
+        fully_shard(unit, mp_policy=BF16_UNITS if bf16 else FLOAT32, **kw)
+    fully_shard(model, mp_policy=FLOAT32, **kw)
     return model
 
 

@@ -84,3 +84,68 @@ def test_fsdp2_step_matches_single_process():
     for name, p in reference.named_parameters():
         assert not torch.equal(p, before[name]) or p.grad is None or p.grad.abs().max() == 0, name
         torch.testing.assert_close(sharded[name], p.detach(), rtol=2e-5, atol=2e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bf16-mixed under FSDP2: the model's one precision declaration, the same residual dtype as on one device
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bf16_probe(model):
+    """Forward hooks: dtype of every block's output (the residual stream) and of the float32 islands'
+    parameters as they are used (unsharded, inside the forward)."""
+    seen = {"stream": [], "island_params": [], "unit_params": []}
+    for block in model.layers:
+        block.register_forward_hook(lambda m, i, o: seen["stream"].append(o[0].dtype))
+        block.register_forward_pre_hook(lambda m, i: seen["unit_params"].append(m.mega.wz.weight.dtype))
+    for island in model.float32_modules():
+        island.register_forward_pre_hook(
+            lambda m, i: seen["island_params"].extend(p.dtype for p in m.parameters(recurse=False))
+        )
+    return seen
+
+
+def _bf16_forward(model, tokens):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(tokens)
+    return logits
+
+
+def _bf16_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from mega_suite.parallel import apply_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = _build()
+    apply_fsdp(model, bf16=True)
+    seen = _bf16_probe(model)
+    logits = _bf16_forward(model, _batch())
+    logits.float().square().mean().backward()
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    if rank == 0:
+        torch.save({"logits": logits.detach(), "grad_dtypes": grad_dtypes, **seen}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_bf16_keeps_the_single_device_precision():
+    """bf16-mixed under FSDP2 == autocast on one device: float32 residual stream, float32 islands, bf16
+    block weights, float32 gradients, and the same logits (the weights autocast rounds are the same)."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bf16.pt")
+        mp.spawn(_bf16_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        sharded = torch.load(out, weights_only=True)
+    single = _build()
+    seen = _bf16_probe(single)
+    logits = _bf16_forward(single, _batch())
+    assert set(sharded["stream"]) == set(seen["stream"]) == {torch.float32}
+    assert sharded["island_params"] and set(sharded["island_params"]) == {torch.float32}
+    assert set(sharded["unit_params"]) == {torch.bfloat16}
+    assert sharded["grad_dtypes"] == ["torch.float32"]
+    assert sharded["logits"].dtype == logits.dtype == torch.float32
+    torch.testing.assert_close(sharded["logits"], logits.detach(), rtol=1e-2, atol=1e-2)

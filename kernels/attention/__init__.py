@@ -14,9 +14,22 @@ from kernels import dispatch
 from kernels.attention import reference
 from kernels.attention.reference import attention_with_cache
 
-__all__ = ["chunk_attention", "attention_with_cache"]
+__all__ = ["chunk_attention", "attention_with_cache", "fused_eligible"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_QK_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK, dk] tile per program (kernels.attention.triton)
+
+
+def fused_eligible(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the fused kernel supports these inputs, the device aside: q, k, v [B, L, h, d] in one of
+    float16 / bfloat16 / float32 (one dtype for all three) and a Q/K head width <= 256. On CUDA (and unless
+    the reference is forced, ``kernels.dispatch``) eligible inputs take the Triton path."""
+    return (
+        q.dtype in _TRITON_DTYPES
+        and k.dtype == q.dtype == v.dtype
+        and q.dim() == 4
+        and q.shape[-1] <= _MAX_QK_HEAD_DIM
+    )
 
 
 def chunk_attention(
@@ -41,13 +54,7 @@ def chunk_attention(
     Returns:
         [B, L, h, dv]; a query with no valid key outputs zeros.
     """
-    if (
-        dispatch.use_triton(q, k, v)
-        and q.dtype in _TRITON_DTYPES
-        and k.dtype == q.dtype == v.dtype
-        and q.dim() == 4
-        and q.shape[-1] <= 256
-    ):
+    if fused_eligible(q, k, v) and dispatch.use_triton(q, k, v):
         from kernels.attention import triton as fused  # imports Triton only when it runs
 
         return fused.chunk_attention(q, k, v, chunk_size, causal, key_padding_mask, dropout_p)
