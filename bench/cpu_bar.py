@@ -5,6 +5,7 @@
     python -m bench.cpu_bar --glibc-no-mmap        # full run, malloc keeps freed blocks (RESULTS.md)
     python -m bench.cpu_bar --lengths 2K,4K --no-checkpointing
     python -m bench.cpu_bar --profile 4K           # only: torch.profiler breakdown of one training step
+    python -m bench.cpu_bar --precision bf16-mixed --lengths 2K,4K,8K   # bf16 autocast beside fp32
 
 Model: the ``megalodon_cpu_bench`` preset (4 layers, D 512, Z 128, E 1024, FFN 1024 SwiGLU, V 512, C 2048,
 14.6M parameters), fp32, batch 1, 2 threads. Training step = forward, cross-entropy on next tokens,
@@ -12,6 +13,10 @@ backward, AdamW step, gradients reset to None; tokens/s = L / step time (best of
 warm-up step). Each configuration runs in a fresh process; memory is the process's peak RSS (VmHWM:
 Python, torch, model, AdamW state, activations) and, as "delta", that peak minus the RSS after the model
 and optimizer were built (see ``bench/common.py``).
+
+``--precision bf16-mixed`` also runs every training configuration under ``torch.autocast("cpu", bf16)``
+(the suite's bf16-mixed: float32 weights and islands, bf16 Linear layers and attention) and prints it
+beside fp32, with its share of the bf16 matmul peak (this CPU has AVX512-BF16).
 
 Decode: a prompt through the streaming cache, then one token at a time (greedy) through
 ``model(token, cache)``; median wall time per token.
@@ -98,9 +103,9 @@ def training_flops(model, length: int) -> tuple[float, str]:
     return float(total), formula
 
 
-def matmul_peak_gflops(n: int = 4096, repeat: int = 5) -> float:
-    """fp32 GFLOP/s of the best of ``repeat`` [n, n] @ [n, n] products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 4096, repeat: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of the best of ``repeat`` [n, n] @ [n, n] products in ``dtype``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeat):
@@ -110,8 +115,16 @@ def matmul_peak_gflops(n: int = 4096, repeat: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def bench_train(length: int, checkpointing: bool, warmup: int, repeat: int) -> Measurement:
-    """In a fresh process: one AdamW training step on [1, L] random tokens."""
+def bench_train(
+    length: int, checkpointing: bool, warmup: int, repeat: int, precision: str = "32-true"
+) -> Measurement:
+    """In a fresh process: one AdamW training step on [1, L] random tokens (bf16-mixed: under autocast)."""
+    import contextlib
+
+    def autocast():
+        if precision == "bf16-mixed":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def build():
         model = build_model(checkpointing)
@@ -124,8 +137,9 @@ def bench_train(length: int, checkpointing: bool, warmup: int, repeat: int) -> M
         model, opt, tokens = state
 
         def step():
-            logits, _ = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            with autocast():
+                logits, _ = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -271,6 +285,34 @@ def profile_step(length: int, checkpointing: bool, top: int) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def print_precision_table(lengths, modes, res, res_bf16, peak: float, peak_bf16: float) -> None:
+    """bf16-mixed beside fp32, measured in the same run (each configuration in a fresh process)."""
+    print(
+        "\nbf16-mixed (torch.autocast cpu bf16: bf16 Linear layers and attention, float32 weights, CEMA, norms "
+        f"and logits) beside fp32. Matmul peaks measured in this run: fp32 {peak:.0f}, bf16 {peak_bf16:.0f} "
+        f"GFLOP/s ({peak_bf16 / peak:.2f}x). % of peak = model matmul FLOP/s / that precision's peak.\n"
+    )
+    rows = []
+    for length in lengths:
+        for ckpt in modes:
+            a, b = res[length, ckpt], res_bf16[length, ckpt]
+            if not (a.ok and b.ok):
+                rows.append([fmt_length(length), "on" if ckpt else "off"] + [a.status, b.status] + ["-"] * 6)
+                continue
+            flops = a.extra["flops"]
+            rows.append([
+                fmt_length(length), "on" if ckpt else "off", f"{length / a.best:.0f}", f"{length / b.best:.0f}",
+                fmt_ratio(a.best / b.best), fmt_bytes(a.peak_bytes), fmt_bytes(b.peak_bytes),
+                fmt_ratio(b.peak_bytes / a.peak_bytes), f"{100 * flops / a.best / 1e9 / peak:.0f}%",
+                f"{100 * flops / b.best / 1e9 / peak_bf16:.0f}%",
+            ])  # fmt: skip
+    print(markdown_table(
+        ["L", "ckpt", "fp32 tok/s", "bf16-mixed tok/s", "bf16 speed-up", "fp32 peak RSS", "bf16 peak RSS",
+         "bf16 / fp32 mem", "fp32 % of fp32 peak", "bf16 % of bf16 peak"],
+        rows,
+    ))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -296,6 +338,12 @@ def main() -> None:
         help=f"run the measurements with GLIBC_TUNABLES={GLIBC_NO_MMAP}",
     )
     ap.add_argument("--quick", action="store_true", help="L = 2K, one timed step, 50 decode tokens")
+    ap.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        default="32-true",
+        help="bf16-mixed: also train under bf16 autocast and print it beside fp32",
+    )
     args = ap.parse_args()
     if args.quick:
         args.repeat = 1
@@ -315,8 +363,13 @@ def main() -> None:
     lengths = [] if args.decode_only else parse_lengths(args.lengths)
     peak = matmul_peak_gflops()
     print(f"fp32 matmul peak (best 4096^3 torch.mm, 2 threads): {peak:.0f} GFLOP/s", flush=True)
+    bf16 = args.precision == "bf16-mixed"
+    peak_bf16 = matmul_peak_gflops(dtype=torch.bfloat16) if bf16 else None
+    if bf16:
+        print(f"bf16 matmul peak (best 4096^3 torch.mm, 2 threads): {peak_bf16:.0f} GFLOP/s", flush=True)
     modes = [False] if args.no_checkpointing else [False, True]
     res: dict[tuple[int, bool], Measurement] = {}
+    res_bf16: dict[tuple[int, bool], Measurement] = {}
     for length in lengths:
         for ckpt in modes:
             m = run_isolated(
@@ -335,6 +388,21 @@ def main() -> None:
                 else f"{m.status} {m.message}"
             )
             print(f"  train L={fmt_length(length):>4s} ckpt={ckpt!s:5s}: {shown}", flush=True)
+            if bf16:
+                mb = run_isolated(
+                    bench_train,
+                    args.mem_cap_gb,
+                    length=length,
+                    checkpointing=ckpt,
+                    warmup=args.warmup,
+                    repeat=args.repeat,
+                    precision="bf16-mixed",
+                )
+                res_bf16[length, ckpt] = mb
+                shown = (
+                    f"{length / mb.best:.0f} tok/s, peak {fmt_bytes(mb.peak_bytes)}" if mb.ok else mb.status
+                )
+                print(f"  train L={fmt_length(length):>4s} ckpt={ckpt!s:5s} bf16-mixed: {shown}", flush=True)
     dec = run_isolated(
         bench_decode, args.mem_cap_gb, prompt_len=args.decode_prompt, new_tokens=args.decode_tokens
     )
@@ -387,6 +455,9 @@ def main() -> None:
              "targets", "GFLOP/s", "% of mm peak", "CPU util", "sys"],
             rows,
         ))  # fmt: skip
+
+    if res_bf16:
+        print_precision_table(lengths, modes, res, res_bf16, peak, peak_bf16)
 
     print(
         f"\nStreaming decode, batch 1, greedy, prompt {args.decode_prompt} tokens then {args.decode_tokens} single-token steps:\n"
