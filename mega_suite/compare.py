@@ -274,8 +274,8 @@ def _cell(values: list[float], fmt: Callable[[float], str]) -> str:
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return ""
-    if min(values) == max(values):
-        return fmt(values[0])
+    if fmt(min(values)) == fmt(max(values)):  # equal as shown (e.g. wall times a few ms apart)
+        return fmt(float(np.mean(values)))
     return f"{fmt(float(np.mean(values)))} [{fmt(min(values))}, {fmt(max(values))}]"
 
 
