@@ -10,8 +10,9 @@ validation loss against tokens seen and against wall time) into ``--out``.
   ``tokens per step = data.batch_size x seq_len x accumulate_grad_batches x devices x num_nodes``
   (``seq_len = data.options.seq_len``, else ``data.max_length``, an upper bound for padded batches;
   accumulation recomputed from ``trainer.global_batch_tokens`` when that is set, as the runner does;
-  ``devices=auto`` counts as 1). A training loss logged at step ``s`` was computed on batch ``s`` (0-based),
-  so its model had seen ``s x tokens per step`` tokens; a validation at step ``s`` follows ``s`` steps.
+  ``devices=auto`` counts as 1). Lightning logs both at the index ``s`` of the batch just trained: a
+  training loss at ``s`` was computed by a model that had seen ``s`` batches, a validation at ``s`` follows
+  ``s + 1`` optimizer steps, so their ``x`` is ``s`` and ``s + 1`` batches of tokens respectively.
   The table says which source each run used.
 - **Wall time**: seconds from the run's first event (its logger's creation, after data preparation) to
   each event; a resumed run's pause between sessions is included.
@@ -70,16 +71,22 @@ class Run:
     members: list[Run] = field(default_factory=list)  # a seed group's runs; empty for a single run
     bands: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # tag -> (min, max)
 
-    def tokens(self, steps: np.ndarray) -> np.ndarray:
-        """Tokens seen at ``steps`` (see the module docstring)."""
+    def tokens(self, steps: np.ndarray, tag: str = TRAIN_LOSS) -> np.ndarray:
+        """Tokens the model had seen when ``tag`` was logged at ``steps`` (see the module docstring)."""
         if TOKEN_TAG in self.curves:
             counter = self.curves[TOKEN_TAG]
             return np.interp(steps, counter.steps, counter.values)
-        return np.asarray(steps, dtype=np.float64) * self.tokens_per_step
+        return (np.asarray(steps, dtype=np.float64) + steps_after(tag)) * self.tokens_per_step
 
     @property
     def seeds(self) -> list:
         return [m.config.get("seed") for m in self.members] or [self.config.get("seed")]
+
+
+def steps_after(tag: str) -> int:
+    """Optimizer steps done when ``tag`` is logged at step ``s``, minus ``s``: 0 for a training metric (computed
+    before the update of batch ``s``), 1 for an evaluation (after it)."""
+    return 0 if tag.startswith("train/") else 1
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -235,11 +242,10 @@ def summary(run: Run) -> dict[str, float]:
     """Scalar facts of one (single) run: steps, tokens, wall time, final train loss, per evaluation metric
     the final and best validation value (with its step) and the test value at that step."""
     loss = run.curves[TRAIN_LOSS]
-    steps = int(loss.steps[-1]) + 1  # train/loss at step s is batch s: s + 1 optimizer steps when logged
-    last = max([steps] + [int(c.steps[-1]) for t, c in run.curves.items() if t.startswith("val/")])
+    steps = max(int(c.steps[-1]) + 1 for t, c in run.curves.items() if t.startswith(("train/", "val/")))
     out = {
-        "steps": float(last),
-        "tokens": float(run.tokens(np.array([last]))[0]),
+        "steps": float(steps),
+        "tokens": float(run.tokens(np.array([steps - 1]), "val/loss")[0]),
         "wall time": float(max(c.wall[-1] for c in run.curves.values())),
         "train/loss final": float(loss.values[-1]),
     }
@@ -251,7 +257,7 @@ def summary(run: Run) -> dict[str, float]:
         i = int(np.flatnonzero(val.values == best)[0])
         out[f"val/{metric} final"] = float(val.values[-1])
         out[f"val/{metric} best"] = float(best)
-        out[f"val/{metric} best step"] = float(val.steps[i])
+        out[f"val/{metric} best step"] = float(val.steps[i] + 1)
         test = run.curves.get(f"test/{metric}")
         if test is not None and val.steps[i] in test.steps:
             out[f"test/{metric} @ best val"] = float(test.values[np.searchsorted(test.steps, val.steps[i])])
@@ -300,7 +306,7 @@ def table(runs: list[Run]) -> str:
                 cell = _cell(values, _number)
             step_key = f"{key} step"
             if key.endswith(" best") and len(rows) == 1 and step_key in rows[0]:
-                cell += f" (step {int(rows[0][step_key])})"
+                cell += f" (after {int(rows[0][step_key])} steps)"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
@@ -327,7 +333,7 @@ def plot(runs: list[Run], path: Path, smooth: float = 0.0) -> None:
             if curve is None:
                 continue
             values = _ema(curve.values, smooth) if tag == TRAIN_LOSS else curve.values
-            tokens = run.tokens(curve.steps)
+            tokens = run.tokens(curve.steps, tag)
             name = f"{run.label} {tag.split('/')[0]}"
             for ax, x in ((axes[0], tokens), (axes[1], curve.wall)):
                 ax.plot(x, values, style, color=color, label=name, markersize=3, linewidth=1.2)

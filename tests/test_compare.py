@@ -60,13 +60,13 @@ def test_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
     row = rows(text)["kjv/a"]
-    assert row["steps"] == "5"  # train/loss logged at step 4 is batch 4: 5 steps done
+    assert row["steps"] == "5"  # metrics logged at step 4 are those of batch 4: 5 steps done
     assert row["tokens"] == "480"  # 5 steps x (batch 2 x seq_len 16 x accumulate 3)
     assert row["wall time"] == "2m05s"
     assert row["train/loss final"] == "5.5"
-    assert row["val/loss best"] == "6.8 (step 2)" and row["val/loss final"] == "6.9"
+    assert row["val/loss best"] == "6.8 (after 3 steps)" and row["val/loss final"] == "6.9"
     assert row["test/loss @ best val"] == "7.1"
-    assert row["val/ppl best"] == "900 (step 4)"
+    assert row["val/ppl best"] == "900 (after 5 steps)"
     assert "96 tokens/step from config.yaml = batch 2 x seq_len 16 x accumulate 3" in text
     assert rows(text)["kjv/c"]["tokens"] == "4,000"  # the logged counter at step 4, not the config
     assert "kjv/c: tokens from the logged counter train/tokens_seen" in text
