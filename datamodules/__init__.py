@@ -2,6 +2,7 @@
 
 from .errors import DataError as DataError
 from .imagenet import ImageNetDataModule
+from .kjv import KJVDataModule
 from .lra import (
     AANRetrievalDataModule,
     CIFAR10GrayDataModule,
@@ -26,6 +27,7 @@ DATAMODULES = {
     "imagenet": ImageNetDataModule,
     "wt103": WikiText103DataModule,
     "pg19": PG19DataModule,
+    "kjv": KJVDataModule,
     "pretrain": PretrainDataModule,
 }
 

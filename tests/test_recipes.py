@@ -104,6 +104,13 @@ def overrides_for(recipe: str, lra_dir: Path, root: Path) -> list[str]:
             "data.options.eval_seq_len=64",
             "model.chunk_size=32",
         ]
+    if data == "kjv":  # the committed corpus, unpacked into an empty folder as on a fresh clone
+        return [
+            f"data.data_dir={root / 'fresh_clone'}",
+            "data.options.seq_len=64",
+            "data.options.eval_seq_len=512",
+            "model.chunk_size=32",
+        ]
     if data == "pretrain":
         return [
             f"data.data_dir={root / 'corpus'}",

@@ -1,0 +1,114 @@
+"""The King James Bible, shipped with the suite: an English LM corpus that needs no download.
+
+``corpora/kjv/kjv.tar.xz`` holds the 66 books in the PG-19 layout (DATA.md), ``kjv/{train,validation,test}/
+<book_id>.txt`` + ``metadata.csv`` (split by whole books: corpora/kjv/README.md). When ``<data_dir>/kjv/`` is
+absent the archive is unpacked there on first use; a ``<data_dir>/kjv/`` the suite did not unpack (no
+``.archive.sha256`` stamp) is read as it is, and one unpacked from an older archive is replaced. The
+committed SentencePiece model ``corpora/kjv/kjv_unigram_4096.model`` (trained on the training books by
+``corpora/kjv/build.py``) is the default tokenizer. Everything else, batches and word-level perplexity, is
+:class:`~datamodules.pg19.PG19DataModule`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+from datamodules.errors import DataError
+from datamodules.pg19 import PG19DataModule
+
+CORPUS_DIR = Path(__file__).resolve().parent.parent / "corpora" / "kjv"
+ARCHIVE = CORPUS_DIR / "kjv.tar.xz"
+TOKENIZER = CORPUS_DIR / "kjv_unigram_4096.model"
+STAMP = ".archive.sha256"
+
+
+def archive_digest(path: Path = ARCHIVE) -> str:
+    if not path.is_file():
+        raise DataError(
+            f"the committed King James Bible archive {path} is missing; restore it with `git checkout -- {path}` "
+            "or regenerate it with `python corpora/kjv/build.py` (needs Debian's bible-kjv)"
+        )
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def unpack(data_dir: Path, archive: Path = ARCHIVE) -> Path:
+    """``<data_dir>/kjv`` from ``archive`` unless it is already there (unpacked by us from this archive, or
+    the user's own copy); returns it. Unpacks beside the target and renames, so a concurrent or interrupted
+    unpack never leaves a partial corpus under the real name."""
+    root = data_dir / "kjv"
+    digest = archive_digest(archive)
+    stamp = root / STAMP
+    if root.is_dir() and (not stamp.is_file() or stamp.read_text().strip() == digest):
+        return root
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / f"kjv.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(tmp, filter="data")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot unpack {archive} into {data_dir}: {exc}") from None
+    (tmp / "kjv" / STAMP).write_text(digest + "\n")
+    if root.is_dir():  # unpacked from an older archive
+        shutil.rmtree(root, ignore_errors=True)
+    try:
+        os.replace(tmp / "kjv", root)
+    except OSError:  # another process renamed its copy first
+        if not root.is_dir():
+            raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[mega-suite] unpacked the King James Bible ({archive.name}) into {root}")
+    return root
+
+
+class KJVDataModule(PG19DataModule):
+    """PG-19 machinery over ``<data_dir>/kjv`` (unpacked from the committed archive when absent)."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+        seq_len: int = 1024,
+        eval_seq_len: int | None = None,
+        tokenizer_path: str | None = str(TOKENIZER),
+        vocab_size: int = 4096,
+        spm_model_type: str = "unigram",
+        byte_fallback: bool = True,
+        spm_input_sentence_size: int = 5_000_000,
+        cache_dir: str | None = None,
+    ):
+        """Arguments as :class:`PG19DataModule`'s; ``tokenizer_path`` defaults to the committed model (None
+        trains one of ``vocab_size`` on the training books), ``cache_dir`` to ``<data_dir>/cache/kjv``."""
+        super().__init__(
+            data_dir,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            seed=seed,
+            seq_len=seq_len,
+            eval_seq_len=eval_seq_len,
+            tokenizer_path=tokenizer_path,
+            vocab_size=vocab_size,
+            spm_model_type=spm_model_type,
+            byte_fallback=byte_fallback,
+            spm_input_sentence_size=spm_input_sentence_size,
+            cache_dir=cache_dir or str(Path(data_dir) / "cache" / "kjv"),
+        )
+        self.root = self.data_dir / "kjv"
+
+    def _check_layout(self) -> None:
+        unpack(self.data_dir)
+        super()._check_layout()
+
+    @property
+    def token_dir(self) -> Path:
+        """Token files of this tokenizer and this corpus: a regenerated archive never reads stale tokens."""
+        stamp = self.root / STAMP
+        corpus = stamp.read_text().strip()[:12] if stamp.is_file() else "own"
+        return super().token_dir.with_name(f"{super().token_dir.name}_{corpus}")
