@@ -157,7 +157,7 @@ def _corrupt(path: Path, data: bytes = b"\x00garbage\xff not what it claims") ->
 BAD_ITEMS = {
     # name: (what to break, returns the file/key that the message must name, extra match)
     "listops": [
-        (lambda r: _corrupt(r / "listops-1000/basic_val.tsv", b"Source\tTarget\r\n( [MAX 2 9 ] )\r\n"), "line 2"),
+        (lambda r: _corrupt(r / "listops-1000/basic_val.tsv", b"Source\tTarget\r\n( [MAX 2 9 ] )\r\n"), ":2:"),
         (lambda r: _corrupt(r / "listops-1000/basic_test.tsv", b""), "empty"),
         (lambda r: _corrupt(r / "listops-1000/basic_train.tsv", b"Source\tTarget\n( [MAX 2 \xff ] )\t9\n"), "UTF-8"),
     ],
@@ -169,7 +169,7 @@ BAD_ITEMS = {
     "lra_image": [(lambda r: _corrupt(r / "cifar-10-batches-py/data_batch_3"), "CIFAR-10")],
     "lra_pathfinder": [
         (lambda r: _corrupt(r / "pathfinder32/curv_contour_length_14/imgs/0/sample_3.png"), "image"),
-        (lambda r: _corrupt(r / "pathfinder32/curv_contour_length_14/metadata/1.npy", b"imgs/1 sample_0.png\n"), "line 1"),
+        (lambda r: _corrupt(r / "pathfinder32/curv_contour_length_14/metadata/1.npy", b"imgs/1 sample_0.png\n"), ":1:"),
     ],
     "lra_pathx": [(lambda r: _corrupt(r / "pathfinder128/curv_contour_length_14/imgs/10/sample_1.png"), "image")],
     "sc_raw": [
