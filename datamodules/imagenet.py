@@ -211,7 +211,9 @@ class ImageNetDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.datasets["train"]
-        sampler = ResumableSampler(len(dataset), seed=self.seed, repeats=max(self.repeated_aug, 1), item_keys=True)
+        sampler = ResumableSampler(
+            len(dataset), seed=self.seed, repeats=max(self.repeated_aug, 1), item_keys=True
+        )
         return ResumableDataLoader(
             SeededItems(dataset),
             self.batch_size,
@@ -248,4 +250,3 @@ class ImageNetDataModule(L.LightningDataModule):
             with seeded_global_rngs([*key, 1]) if key is not None else contextlib.nullcontext():
                 batch["input"], batch["label"] = self.mixup_fn(batch["input"], batch["label"])
         return batch
-

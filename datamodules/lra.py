@@ -196,9 +196,7 @@ class PathfinderDataset(Dataset):
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("L"))
         if pixels.shape != (self.resolution, self.resolution):
-            raise DataError(
-                f"{path}: image is {pixels.shape}, expected {(self.resolution, self.resolution)}"
-            )
+            raise DataError(f"{path}: image is {pixels.shape}, expected {(self.resolution, self.resolution)}")
         return {"input": normalize_pixels(pixels.reshape(-1)), "label": int(self.labels[i])}
 
 
@@ -334,7 +332,9 @@ class ListOpsDataModule(LRADataModule):
             try:
                 line = line.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_number}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                raise DataError(
+                    f"{path}:{line_number}: not valid UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
             if line_number == 1:
                 if line != "Source\tTarget":
                     raise DataError(f"{path}:1: header is {line[:80]!r}, expected 'Source\\tTarget'")
@@ -379,13 +379,13 @@ class IMDBTextDataModule(LRADataModule):
             for file in sorted(folder.glob("*.txt")):
                 text = file.read_bytes()
                 if not text:
-                    raise DataError(f"{file} is empty; every IMDB review has text (remove or restore the file)")
+                    raise DataError(
+                        f"{file} is empty; every IMDB review has text (remove or restore the file)"
+                    )
                 texts.append(text[: self.max_length])
                 labels.append(label)
         if not texts:
-            raise DataError(
-                f"no *.txt reviews under {split_dir}/{{neg,pos}}; get them from {IMDB_SOURCE}"
-            )
+            raise DataError(f"no *.txt reviews under {split_dir}/{{neg,pos}}; get them from {IMDB_SOURCE}")
         return TokenDataset(RaggedBytes(texts), np.array(labels, dtype=np.int64), self.max_length, 1)
 
 
@@ -431,7 +431,9 @@ class AANRetrievalDataModule(LRADataModule):
                 try:
                     labels.append(int(float(fields[0])))
                 except ValueError:
-                    raise DataError(f"{path}:{line_number}: label {fields[0][:20]!r} is not a number") from None
+                    raise DataError(
+                        f"{path}:{line_number}: label {fields[0][:20]!r} is not a number"
+                    ) from None
                 pair = []
                 for text in fields[3:]:
                     text = text[: self.max_length]
@@ -576,7 +578,9 @@ class PathfinderDataModule(LRADataModule):
                 try:
                     size = os.stat(self.root / relative).st_size
                 except FileNotFoundError:
-                    raise DataError(f"{self.root / relative} is missing (listed in {path}:{line_number})") from None
+                    raise DataError(
+                        f"{self.root / relative} is missing (listed in {path}:{line_number})"
+                    ) from None
                 if size == 0:  # e.g. pathfinder32/curv_baseline/imgs/0/sample_172.png
                     empty += 1
                     continue

@@ -157,7 +157,9 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         try:
             info = soundfile.info(str(path))
         except (RuntimeError, soundfile.LibsndfileError) as e:
-            raise DataError(f"{path} is not a readable WAV file ({e}); expected 16 kHz mono 16-bit PCM") from None
+            raise DataError(
+                f"{path} is not a readable WAV file ({e}); expected 16 kHz mono 16-bit PCM"
+            ) from None
         if info.samplerate != 16000 or info.channels != 1:
             raise DataError(
                 f"{path} has {info.samplerate} Hz, {info.channels} channel(s); expected 16 kHz mono "
@@ -220,7 +222,11 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         log.info(
             "Speech Commands SC10: %d clips of %d samples; skipped %d clips not of exactly %d samples "
             "(the shorter ones, as Mega and S4 do); cache %s",
-            meta["clips"], CLIP_SAMPLES, meta["scanned"] - meta["clips"], CLIP_SAMPLES, self.cache_dir,
+            meta["clips"],
+            CLIP_SAMPLES,
+            meta["scanned"] - meta["clips"],
+            CLIP_SAMPLES,
+            self.cache_dir,
         )
         labels = np.load(self.cache_dir / "labels.npy")
         split = self._split(labels)

@@ -42,7 +42,9 @@ def write_all(root: Path, names=tuple(MODULES)) -> Path:
         "lra_pathfinder": lambda: write_pathfinder(root, 32, per_file=10, n_files=3, empty=(1, 2)),
         "lra_pathx": lambda: write_pathfinder(root, 128, per_file=5, n_files=2),
         "sc_raw": lambda: write_speech_commands(root),
-        "imagenet": lambda: write_image_folder(root / "imagenet", classes=3, train_per_class=4, val_per_class=2),
+        "imagenet": lambda: write_image_folder(
+            root / "imagenet", classes=3, train_per_class=4, val_per_class=2
+        ),
     }
     for name in names:
         writers[name]()
@@ -72,7 +74,10 @@ def split_identity(dataset) -> list:
         return dataset.rows.tolist()
     if isinstance(dataset, Subset):
         return [split_identity(dataset.dataset), list(dataset.indices)]
-    return [{k: v.tolist() if torch.is_tensor(v) else v for k, v in dataset[i].items()} for i in range(len(dataset))]
+    return [
+        {k: v.tolist() if torch.is_tensor(v) else v for k, v in dataset[i].items()}
+        for i in range(len(dataset))
+    ]
 
 
 # ---------------------------------------------------------------------------------- splits vs. seed
@@ -94,7 +99,9 @@ def test_speech_split_seed_defaults_to_s4_and_moves_the_split(root):
 # ---------------------------------------------------------------------------------- exact resume
 def batch_identity(batch: dict) -> list:
     return [
-        (k, v.numpy().tobytes() if torch.is_tensor(v) else v) for k, v in sorted(batch.items()) if v is not None
+        (k, v.numpy().tobytes() if torch.is_tensor(v) else v)
+        for k, v in sorted(batch.items())
+        if v is not None
     ]
 
 
@@ -157,9 +164,15 @@ def _corrupt(path: Path, data: bytes = b"\x00garbage\xff not what it claims") ->
 BAD_ITEMS = {
     # name: (what to break, returns the file/key that the message must name, extra match)
     "listops": [
-        (lambda r: _corrupt(r / "listops-1000/basic_val.tsv", b"Source\tTarget\r\n( [MAX 2 9 ] )\r\n"), ":2:"),
+        (
+            lambda r: _corrupt(r / "listops-1000/basic_val.tsv", b"Source\tTarget\r\n( [MAX 2 9 ] )\r\n"),
+            ":2:",
+        ),
         (lambda r: _corrupt(r / "listops-1000/basic_test.tsv", b""), "empty"),
-        (lambda r: _corrupt(r / "listops-1000/basic_train.tsv", b"Source\tTarget\n( [MAX 2 \xff ] )\t9\n"), "UTF-8"),
+        (
+            lambda r: _corrupt(r / "listops-1000/basic_train.tsv", b"Source\tTarget\n( [MAX 2 \xff ] )\t9\n"),
+            "UTF-8",
+        ),
     ],
     "lra_text": [(lambda r: _corrupt(r / "aclImdb/train/pos/0_9.txt", b""), "empty")],
     "lra_retrieval": [
@@ -169,9 +182,16 @@ BAD_ITEMS = {
     "lra_image": [(lambda r: _corrupt(r / "cifar-10-batches-py/data_batch_3"), "CIFAR-10")],
     "lra_pathfinder": [
         (lambda r: _corrupt(r / "pathfinder32/curv_contour_length_14/imgs/0/sample_3.png"), "image"),
-        (lambda r: _corrupt(r / "pathfinder32/curv_contour_length_14/metadata/1.npy", b"imgs/1 sample_0.png\n"), ":1:"),
+        (
+            lambda r: _corrupt(
+                r / "pathfinder32/curv_contour_length_14/metadata/1.npy", b"imgs/1 sample_0.png\n"
+            ),
+            ":1:",
+        ),
     ],
-    "lra_pathx": [(lambda r: _corrupt(r / "pathfinder128/curv_contour_length_14/imgs/10/sample_1.png"), "image")],
+    "lra_pathx": [
+        (lambda r: _corrupt(r / "pathfinder128/curv_contour_length_14/imgs/10/sample_1.png"), "image")
+    ],
     "sc_raw": [
         (lambda r: _wav(r, "yes", rate=8000), "16 kHz mono"),
         (lambda r: _wav(r, "no", channels=2), "16 kHz mono"),
@@ -222,7 +242,9 @@ def test_published_skips_are_counted_in_the_log(root, caplog):
 
 # ---------------------------------------------------------------------------------- read-only data
 def _listing(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -243,7 +265,9 @@ def test_read_only_data_dir_puts_caches_elsewhere(tmp_path, monkeypatch, name, c
     try:
         if os.access(data, os.W_OK):  # root ignores permission bits: make the check see what a mount says
             real = common.is_writable
-            monkeypatch.setattr(common, "is_writable", lambda p: not Path(p).resolve().is_relative_to(data) and real(p))
+            monkeypatch.setattr(
+                common, "is_writable", lambda p: not Path(p).resolve().is_relative_to(data) and real(p)
+            )
         overrides = {"generate_sizes": (3, 1, 1)} if name == "listops" else {}
         dm = build(name, data, **overrides)
         assert len(dm.datasets["train"]) > 0
