@@ -1,13 +1,26 @@
-"""Pieces shared by the datamodules: a resumable sampler and loader, padding collate, seeded splits."""
+"""Pieces shared by the datamodules: a resumable sampler and loader, per-item seeded augmentation, padding
+collate, seeded splits, a writable cache location and image checks."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import random
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
 
 PAD_ID = 0  # token id of padding in every token task; real symbols start at 1
 
@@ -29,6 +42,15 @@ class ResumableSampler(DistributedSampler):
     any, stays last). Every batch then holds items of similar length, so padding nearly vanishes, while
     the order still depends only on ``(seed, epoch)`` and resumes exactly. (Each batch is then a sample of
     one length range rather than of the whole set; across the epoch every item is still seen once.)
+
+    Repeated augmentation (``repeats > 1``, DeiT's RASampler as timm's ``RepeatAugSampler``): the epoch's
+    permutation has every index ``repeats`` times in a row, global position ``p`` goes to rank
+    ``p % num_replicas`` (wrapping around), and each rank draws ``floor(n // 256 * 256 / num_replicas)``
+    items per epoch (``ceil(n / num_replicas)`` when ``n < 256``), so an epoch still shows about ``n`` images.
+
+    ``item_keys=True`` yields ``(index, (seed, epoch, position))`` with the item's global position in the
+    epoch, for :class:`SeededItems` to seed the item's augmentation from; the key depends on nothing else, so
+    a resumed run (or another worker count) augments every item exactly as the uninterrupted run did.
     """
 
     def __init__(
@@ -41,6 +63,8 @@ class ResumableSampler(DistributedSampler):
         lengths: np.ndarray | None = None,
         batch_size: int = 1,
         bucket_batches: int = 0,
+        repeats: int = 1,
+        item_keys: bool = False,
     ):
         if num_replicas is None:
             distributed = dist.is_available() and dist.is_initialized()
@@ -55,6 +79,16 @@ class ResumableSampler(DistributedSampler):
         if lengths is not None and len(lengths) != length:
             raise ValueError(f"lengths has {len(lengths)} entries for a data set of {length} items")
         self.lengths = None if lengths is None else np.asarray(lengths)
+        if repeats < 1 or (repeats > 1 and bucket_batches):
+            raise ValueError(f"repeats must be >= 1 and cannot be combined with bucketing, got {repeats}")
+        self.repeats = repeats
+        self.item_keys = item_keys
+        if repeats > 1:  # timm's RepeatAugSampler: num_selected_samples with selected_round=256
+            if length >= 256:
+                self.num_samples = int(math.floor(length // 256 * 256 / self.num_replicas))
+            else:
+                self.num_samples = int(math.ceil(length / self.num_replicas))
+            self.total_size = int(math.ceil(length * repeats / self.num_replicas)) * self.num_replicas
         self.batch_size = batch_size
         self.bucket_batches = bucket_batches
         self._resume_offset = 0  # where the next iteration starts in this epoch's order
@@ -82,14 +116,22 @@ class ResumableSampler(DistributedSampler):
                 )
         else:
             order = np.arange(self.length)
-        if self.total_size > self.length:
-            order = np.resize(order, self.total_size)  # repeats the head
-        return order[self.rank : self.total_size : self.num_replicas].tolist()
+        if self.repeats > 1:
+            order = np.repeat(order, self.repeats)
+        return order[self.positions() % len(order)].tolist()  # wrapping pads by repeating the head
 
-    def __iter__(self) -> Iterator[int]:
+    def positions(self) -> np.ndarray:
+        """Global positions in the epoch's order of this rank's items."""
+        return np.arange(self.rank, self.total_size, self.num_replicas)[: self.num_samples]
+
+    def __iter__(self) -> Iterator:
         start, self._resume_offset = self._resume_offset, 0
         self._consumed = start
-        for index in self.indices(self.epoch)[start:]:
+        indices = self.indices(self.epoch)[start:]
+        if self.item_keys:
+            positions = self.positions()[start:].tolist()
+            indices = [(i, (self.seed, self.epoch, p)) for i, p in zip(indices, positions)]
+        for index in indices:
             self._consumed += 1
             yield index
 
@@ -213,3 +255,114 @@ def random_split_indices(n: int, lengths: Sequence[int], seed: int) -> list[np.n
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     bounds = np.cumsum([0, *lengths])
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@contextlib.contextmanager
+def seeded_global_rngs(key: Sequence[int]):
+    """Run the body with Python's, NumPy's and torch's (CPU) global generators seeded from ``key`` through
+    ``numpy.random.SeedSequence``, then put their previous states back.
+
+    Augmentation libraries (timm, torchvision) draw from these global generators; seeding them per item from
+    a key of the item's place in the epoch makes its augmentation a function of that place alone, and the
+    restore keeps the caller's streams (e.g. the model's dropout in the main process) untouched. CUDA
+    generators are not touched.
+    """
+    words = np.random.SeedSequence(list(key)).generate_state(4)
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(int(words[0]) << 32 | int(words[1]))
+    np.random.seed(int(words[2]))
+    torch.default_generator.manual_seed(int(words[3]))
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+class SeededItems(Dataset):
+    """Wraps a map-style dataset of dict items for a sampler with ``item_keys=True``: item ``(index, key)``
+    is ``dataset[index]`` computed under :func:`seeded_global_rngs` ``(key)``, plus ``"aug_key": key``."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index_key) -> dict:
+        index, key = index_key
+        with seeded_global_rngs(key):
+            item = self.dataset[index]
+        return {**item, "aug_key": tuple(key)}
+
+
+def is_writable(path: str | os.PathLike) -> bool:
+    """Whether this process may create files in ``path`` (or, if absent, in its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return os.access(path, os.W_OK)
+
+
+def cache_dir_for(data_dir: str | os.PathLike, name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where a data module keeps its derived files (decoded clips, split indices, check results).
+
+    ``cache_dir`` when given; else ``<data_dir>/cache/<name>`` when that can be written; else, for a
+    read-only data set (a shared mount), ``$XDG_CACHE_HOME/mega_suite/<16 hex of sha256 of the resolved
+    data_dir>/<name>`` (``XDG_CACHE_HOME`` defaults to ``~/.cache``), logged.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir)
+    data_dir = Path(data_dir)
+    local = data_dir / "cache" / name
+    if is_writable(local):
+        return local
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    elsewhere = user / "mega_suite" / digest / name
+    log.warning("%s is not writable: caching %s in %s", data_dir, name, elsewhere)
+    return elsewhere
+
+
+def _check_image(path: Path, size: tuple[int, int] | None) -> str | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if path.stat().st_size == 0:
+            return "is an empty file"
+        with Image.open(path) as image:
+            found = image.size
+            image.verify()  # PNG: every chunk's CRC; JPEG: the header only
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, SyntaxError, UnidentifiedImageError, ValueError) as e:
+        return f"cannot be read as an image ({e})"
+    if size is not None and found != size:
+        return f"is {found[0]}x{found[1]} pixels, expected {size[0]}x{size[1]}"
+    return None
+
+
+def check_images(
+    paths: Sequence[Path], cache_dir: Path, what: str, size: tuple[int, int] | None = None, threads: int = 16
+) -> None:
+    """Raise ``DataError`` naming the first of ``paths`` that is empty, missing, not a readable image, or not
+    ``size`` pixels (width, height). Reads each header (PNG: all chunks); a list that passed is remembered in
+    ``cache_dir`` by a digest of every path, size and modification time, so the check runs once."""
+    stats = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            stats.append(f"{p}\t{st.st_size}\t{st.st_mtime_ns}")
+        except FileNotFoundError:
+            stats.append(f"{p}\tmissing")
+    digest = hashlib.sha256(f"{size}\n".encode() + "\n".join(stats).encode()).hexdigest()[:32]
+    marker = cache_dir / f"images_ok_{digest}"
+    if marker.is_file():
+        return
+    with ThreadPoolExecutor(threads) as pool:  # file reads release the GIL
+        for path, problem in zip(paths, pool.map(lambda p: _check_image(Path(p), size), paths)):
+            if problem:
+                raise DataError(f"{path} {problem}; {what}")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{len(paths)} images checked\n")

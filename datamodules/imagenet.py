@@ -7,7 +7,17 @@ validation and test set (the official test labels are not public).
 Training transform: ``timm.data.create_transform`` with RandomResizedCrop + flip, RandAugment
 ``rand-m9-mstd0.5-inc1``, bicubic interpolation, random erasing 0.25 (pixel mode), ImageNet mean/std.
 Evaluation: resize to ``image_size / crop_pct`` (256 for 224) bicubic, center crop, normalise.
-Repeated augmentation (DeiT's 3 repeats): ``repeated_aug > 1`` trains with :class:`RepeatAugSampler`.
+Repeated augmentation (DeiT's 3 repeats): ``repeated_aug > 1`` trains with a ``ResumableSampler`` with
+``repeats`` (timm's ``RepeatAugSampler`` order rule, seeded by ``(seed, epoch)``).
+
+Exact resume: the training loader is a ``ResumableDataLoader`` (its state is the epoch and the items
+consumed), and every training item is augmented under global generators seeded from ``(seed, epoch,
+position in the epoch)`` (``common.SeededItems``); the batch's mixup/cutmix draw is seeded from its first
+item's key. So a resumed run, or one with another worker count, sees the same pixels and mixed labels.
+
+Set-up checks every image's header once (cached by a digest of paths, sizes and times): an empty or
+unreadable file is a ``DataError`` naming it before training starts. (A JPEG truncated after a valid header
+passes this check and fails when decoded, also as a ``DataError`` naming the file.)
 
 Mixup/CutMix with label smoothing is applied by THIS datamodule in ``on_after_batch_transfer`` to training
 batches only (on the device, after transfer): training labels are then soft targets ``[B, num_classes]``
@@ -22,56 +32,74 @@ Batches: ``{"input": [B, 3, H, W] float32, "padding_mask": None, "label": [B] in
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import lightning as L
 import torch
+from PIL import Image
 from timm.data import Mixup, create_transform
-from timm.data.distributed_sampler import RepeatAugSampler as _TimmRepeatAugSampler
-from torch.utils.data import DataLoader, DistributedSampler
+from timm.data.auto_augment import RandAugment
+from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
+
+from .common import (
+    ResumableDataLoader,
+    ResumableSampler,
+    SeededItems,
+    cache_dir_for,
+    check_images,
+    seeded_global_rngs,
+)
+from .errors import DataError
 
 SOURCE = (
     "https://image-net.org/download (ILSVRC2012 train and val; sort val into class folders, e.g. valprep.sh)"
 )
 
 
-class RepeatAugSampler(_TimmRepeatAugSampler, DistributedSampler):
-    """timm's (DeiT's) repeated-augmentation sampler: each epoch draws ``len(dataset) / world_size`` indices
-    per rank from a permutation in which every index appears ``num_repeats`` times in a row, so the repeats
-    of an image land on different ranks (or, on one process, in the same or adjacent batches).
+def posterize_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """Keep the ``bits_to_keep`` most significant bits of each channel: ``x & ~(2**(8 - bits) - 1)``.
 
-    Also a ``DistributedSampler`` by type only, so that Lightning does not wrap it in a second distributed
-    sampler: it already takes ``num_replicas``/``rank`` (pass them explicitly; 1 and 0 on one process).
-    ``seed`` offsets timm's per-epoch shuffling seed.
+    timm's ``PosterizeIncreasing`` reaches ``bits_to_keep = 0`` (an all-black image) when RandAugment's
+    sampled magnitude reaches 10 (``m9-mstd0.5``: about 2% of draws); Pillow >= 12's ``ImageOps.posterize``
+    rejects 0, which would end training on the first such draw. This computes the same table for 0..8.
     """
+    if bits_to_keep >= 8:
+        return img
+    mask = ~(2 ** (8 - max(bits_to_keep, 0)) - 1)
+    return img.point([i & mask for i in range(256)] * len(img.getbands()))
 
-    def __init__(self, dataset, num_replicas: int, rank: int, num_repeats: int = 3, seed: int = 0):
-        _TimmRepeatAugSampler.__init__(
-            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats
-        )
-        self.seed = seed
-        self.set_epoch(0)
 
-    def set_epoch(self, epoch: int) -> None:
-        # timm seeds its permutation with the epoch alone.
-        self.epoch = self.seed * 1_000_003 + epoch
+def _patch_posterize(transform) -> None:
+    for t in getattr(transform, "transforms", []):
+        if isinstance(t, RandAugment):
+            for op in t.ops:
+                if op.name.startswith("Posterize"):
+                    op.aug_fn = posterize_bits
 
 
 class ImageFolderDict(ImageFolder):
-    """``torchvision.datasets.ImageFolder`` returning ``{"input": image, "label": class index}``."""
+    """``torchvision.datasets.ImageFolder`` returning ``{"input": image, "label": class index}``; an image
+    that cannot be decoded is a ``DataError`` naming the file."""
 
     def __getitem__(self, index: int) -> dict:
-        image, label = super().__getitem__(index)
+        try:
+            image, label = super().__getitem__(index)
+        except OSError as e:
+            raise DataError(f"{self.samples[index][0]} cannot be decoded ({e}); replace the file") from None
         return {"input": image, "label": label}
 
 
 def collate_images(samples: list[dict]) -> dict:
-    return {
+    batch = {
         "input": torch.stack([s["input"] for s in samples]),
         "padding_mask": None,
         "label": torch.tensor([s["label"] for s in samples], dtype=torch.int64),
     }
+    if "aug_key" in samples[0]:  # seeds the batch's mixup draw (popped in on_after_batch_transfer)
+        batch["aug_key"] = samples[0]["aug_key"]
+    return batch
 
 
 class ImageNetDataModule(L.LightningDataModule):
@@ -93,13 +121,14 @@ class ImageNetDataModule(L.LightningDataModule):
         label_smoothing: float = 0.1,
         repeated_aug: int = 3,
         eval_batch_size: int | None = None,
+        cache_dir: str | None = None,
     ):
         """
         Args:
             data_dir: ImageNet root holding ``train/`` and ``val/``.
             batch_size: training images per batch per device (DeiT: 1024 in total); even when mixing.
-            seed: offsets the repeated-augmentation shuffling (other randomness follows ``seed_everything``).
-            num_classes: expected number of class folders (checked against ``train/``).
+            seed: seeds the training order and every item's augmentation (with its epoch and position).
+            num_classes: expected number of class folders (checked against ``train/`` and ``val/``).
             image_size: training crop and evaluation size (tests use 32).
             crop_pct: evaluation center-crop fraction (resize to ``image_size / crop_pct`` first).
             auto_augment: timm auto-augment policy string, None to disable.
@@ -107,6 +136,7 @@ class ImageNetDataModule(L.LightningDataModule):
             mixup_alpha, cutmix_alpha, label_smoothing: ``timm.data.Mixup`` settings; both alphas 0 disables it.
             repeated_aug: repeats per image of repeated augmentation; 0 or 1 samples plainly.
             eval_batch_size: validation/test batch size (default ``batch_size``).
+            cache_dir: where the image check is remembered (default: ``common.cache_dir_for``).
         """
         super().__init__()
         self.data_dir = Path(data_dir)
@@ -116,6 +146,7 @@ class ImageNetDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_classes = num_classes
         self.repeated_aug = repeated_aug
+        self.cache_dir = cache_dir_for(self.data_dir, "imagenet", cache_dir)
         self.train_transform = create_transform(
             input_size=image_size,
             is_training=True,
@@ -125,6 +156,7 @@ class ImageNetDataModule(L.LightningDataModule):
             re_mode="pixel",
             re_count=1,
         )
+        _patch_posterize(self.train_transform)
         self.eval_transform = create_transform(
             input_size=image_size, is_training=False, interpolation="bicubic", crop_pct=crop_pct
         )
@@ -151,33 +183,41 @@ class ImageNetDataModule(L.LightningDataModule):
             )
         return folder
 
+    def _image_folder(self, split: str, transform) -> ImageFolderDict:
+        folder = self._folder(split)
+        try:
+            dataset = ImageFolderDict(str(folder), transform=transform)
+        except FileNotFoundError as e:  # no class folder, or a class folder without images
+            raise DataError(f"{folder}: {e}; expected {folder}/<wnid>/*.JPEG") from None
+        found = len(dataset.classes)
+        if found != self.num_classes:
+            raise DataError(
+                f"{folder} has {found} class folders, but data.options.num_classes={self.num_classes}; set "
+                f"data.options.num_classes: {found} for a subset, or restore the missing folders (ImageNet-1K "
+                f"has 1000)"
+            )
+        check_images(
+            [Path(p) for p, _ in dataset.samples], self.cache_dir, "expected a readable image (ImageNet JPEG)"
+        )
+        return dataset
+
     def setup(self, stage: str | None = None) -> None:
         if "train" not in self.datasets and stage in (None, "fit"):
-            self.datasets["train"] = ImageFolderDict(
-                str(self._folder("train")), transform=self.train_transform
-            )
-            found = len(self.datasets["train"].classes)
-            if found != self.num_classes:
-                raise ValueError(
-                    f"{self.data_dir / 'train'} has {found} class folders, expected {self.num_classes}"
-                )
+            self.datasets["train"] = self._image_folder("train", self.train_transform)
         if "val" not in self.datasets:
-            self.datasets["val"] = ImageFolderDict(str(self._folder("val")), transform=self.eval_transform)
+            self.datasets["val"] = self._image_folder("val", self.eval_transform)
             if "train" in self.datasets and self.datasets["val"].classes != self.datasets["train"].classes:
-                raise ValueError(f"class folders of {self.data_dir / 'val'} differ from those of train/")
+                raise DataError(f"class folders of {self.data_dir / 'val'} differ from those of train/")
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.datasets["train"]
-        sampler = None
-        if self.repeated_aug > 1:
-            trainer = self.trainer
-            rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-            sampler = RepeatAugSampler(dataset, world, rank, num_repeats=self.repeated_aug, seed=self.seed)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=sampler is None,
-            sampler=sampler,
+        sampler = ResumableSampler(
+            len(dataset), seed=self.seed, repeats=max(self.repeated_aug, 1), item_keys=True
+        )
+        return ResumableDataLoader(
+            SeededItems(dataset),
+            self.batch_size,
+            sampler,
             drop_last=True,
             collate_fn=collate_images,
             num_workers=self.num_workers,
@@ -204,6 +244,9 @@ class ImageNetDataModule(L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         trainer = self.trainer
+        key = batch.pop("aug_key", None)
         if self.mixup_fn is not None and trainer is not None and trainer.training:
-            batch["input"], batch["label"] = self.mixup_fn(batch["input"], batch["label"])
+            # timm's Mixup draws from NumPy's global generator: seed it from the batch's first item.
+            with seeded_global_rngs([*key, 1]) if key is not None else contextlib.nullcontext():
+                batch["input"], batch["label"] = self.mixup_fn(batch["input"], batch["label"])
         return batch

@@ -15,10 +15,16 @@ Inputs the model sees (batch keys in ``common.PadCollate``):
   (vocab_size 16). Bytes (text, retrieval): byte ``b`` -> id ``b + 1`` (vocab_size 257).
 - pixel tasks: float32, one scalar per pixel, ``x / 255`` then ``(x - 0.5) / 0.5``, i.e. in [-1, 1];
   CIFAR-10 first converted to 8-bit grayscale ``round(0.299 R + 0.587 G + 0.114 B)`` (ITU-R 601).
+
+Splits never follow the training ``seed`` (it orders the training batches only): the files fix them, or
+``split_seed`` does (CIFAR-10 train/val and Pathfinder, 42 as Mega and S4). Bad data (a corrupt line, an
+empty or unreadable file, an image of the wrong size) is a ``DataError`` at set-up naming the file; the one
+published skip, Pathfinder's empty images, is counted in the log.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -29,7 +35,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from . import common
 from .common import PadCollate, ResumableDataLoader, ResumableSampler, random_split_indices
+from .errors import DataError
 from .listops_generator import FOLDER as LISTOPS_FOLDER
 from .listops_generator import OPERATORS, SPLIT_FILES, generate_listops
 
@@ -51,6 +59,8 @@ LISTOPS_SYMBOLS = (*OPERATORS, "X", *"0123456789")  # X stands for the closing "
 _LISTOPS_IDS = {symbol: i + 1 for i, symbol in enumerate(LISTOPS_SYMBOLS)}
 BYTE_VOCAB_SIZE = 256 + 1  # bytes shifted by one past PAD_ID
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # applied to x / 255
+
+log = logging.getLogger(__name__)
 
 
 def _require(files: list[Path], task: str, layout: str, source: str) -> None:
@@ -186,9 +196,7 @@ class PathfinderDataset(Dataset):
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("L"))
         if pixels.shape != (self.resolution, self.resolution):
-            raise ValueError(
-                f"{path}: image is {pixels.shape}, expected {(self.resolution, self.resolution)}"
-            )
+            raise DataError(f"{path}: image is {pixels.shape}, expected {(self.resolution, self.resolution)}")
         return {"input": normalize_pixels(pixels.reshape(-1)), "label": int(self.labels[i])}
 
 
@@ -295,12 +303,20 @@ class ListOpsDataModule(LRADataModule):
         self.generate_sizes = tuple(generate_sizes)
 
     @property
+    def source_dir(self) -> Path:
+        """``data_dir``, unless the files are absent there and it is read-only: then the cache location."""
+        present = all((self.data_dir / LISTOPS_FOLDER / name).exists() for name in SPLIT_FILES.values())
+        if present or common.is_writable(self.data_dir):
+            return self.data_dir
+        return common.cache_dir_for(self.data_dir, "listops_generated")
+
+    @property
     def files(self) -> dict[str, Path]:
-        return {split: self.data_dir / LISTOPS_FOLDER / name for split, name in SPLIT_FILES.items()}
+        return {split: self.source_dir / LISTOPS_FOLDER / name for split, name in SPLIT_FILES.items()}
 
     def prepare_data(self) -> None:
         if not all(path.exists() for path in self.files.values()):
-            generate_listops(self.data_dir, *self.generate_sizes, seed=self.generator_seed)
+            generate_listops(self.source_dir, *self.generate_sizes, seed=self.generator_seed)
 
     def build_datasets(self) -> dict[str, Dataset]:
         self.prepare_data()  # no-op when Lightning already ran it
@@ -308,19 +324,33 @@ class ListOpsDataModule(LRADataModule):
 
     def _read(self, path: Path) -> TokenDataset:
         sequences, labels = [], []
-        with open(path, encoding="utf-8", newline="") as f:
-            header = f.readline().rstrip("\r\n")
-            if header != "Source\tTarget":
-                raise ValueError(f"{path}: header is {header!r}, expected 'Source\\tTarget'")
-            for line_number, line in enumerate(f, start=2):
-                source, sep, target = line.rstrip("\r\n").rpartition("\t")
-                if not sep:
-                    raise ValueError(f"{path}:{line_number}: expected 'Source<TAB>Target', got {line[:80]!r}")
-                try:
-                    sequences.append(bytes(encode_listops(source)))
-                    labels.append(int(target))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{line_number}: {e}") from None
+        with open(path, "rb") as f:
+            raw = f.read()
+        if not raw:
+            raise DataError(f"{path} is empty; expected the header 'Source\\tTarget' and one row per line")
+        for line_number, line in enumerate(raw.splitlines(), start=1):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_number}: not valid UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
+            if line_number == 1:
+                if line != "Source\tTarget":
+                    raise DataError(f"{path}:1: header is {line[:80]!r}, expected 'Source\\tTarget'")
+                continue
+            source, sep, target = line.rpartition("\t")
+            if not sep:
+                raise DataError(f"{path}:{line_number}: expected 'Source<TAB>Target', got {line[:80]!r}")
+            try:
+                sequences.append(bytes(encode_listops(source)))
+                labels.append(int(target))
+            except ValueError as e:
+                raise DataError(f"{path}:{line_number}: {e}") from None
+            if not 0 <= labels[-1] < self.num_classes:
+                raise DataError(f"{path}:{line_number}: target {labels[-1]} is not a value 0..9")
+        if not labels:
+            raise DataError(f"{path} has a header but no rows")
         return TokenDataset(RaggedBytes(sequences), np.array(labels, dtype=np.int64), self.max_length, 0)
 
 
@@ -347,12 +377,15 @@ class IMDBTextDataModule(LRADataModule):
         for label, name in enumerate(("neg", "pos")):
             folder = split_dir / name
             for file in sorted(folder.glob("*.txt")):
-                texts.append(file.read_bytes()[: self.max_length])
+                text = file.read_bytes()
+                if not text:
+                    raise DataError(
+                        f"{file} is empty; every IMDB review has text (remove or restore the file)"
+                    )
+                texts.append(text[: self.max_length])
                 labels.append(label)
         if not texts:
-            raise FileNotFoundError(
-                f"no *.txt reviews under {split_dir}/{{neg,pos}}; get them from {IMDB_SOURCE}"
-            )
+            raise DataError(f"no *.txt reviews under {split_dir}/{{neg,pos}}; get them from {IMDB_SOURCE}")
         return TokenDataset(RaggedBytes(texts), np.array(labels, dtype=np.int64), self.max_length, 1)
 
 
@@ -391,14 +424,14 @@ class AANRetrievalDataModule(LRADataModule):
             for line_number, line in enumerate(f, start=1):
                 fields = line.rstrip(b"\r\n").split(b"\t")
                 if len(fields) != 5:
-                    raise ValueError(
+                    raise DataError(
                         f"{path}:{line_number}: expected 5 tab-separated fields "
                         f"(label id1 id2 text1 text2), got {len(fields)}"
                     )
                 try:
                     labels.append(int(float(fields[0])))
                 except ValueError:
-                    raise ValueError(
+                    raise DataError(
                         f"{path}:{line_number}: label {fields[0][:20]!r} is not a number"
                     ) from None
                 pair = []
@@ -406,6 +439,8 @@ class AANRetrievalDataModule(LRADataModule):
                     text = text[: self.max_length]
                     pair.append(document_index.setdefault(text, len(document_index)))
                 pairs.append(pair)
+        if not labels:
+            raise DataError(f"{path} is empty; expected lines 'label<TAB>id1<TAB>id2<TAB>text1<TAB>text2'")
         documents = RaggedBytes(list(document_index))
         return TokenPairDataset(
             documents,
@@ -451,7 +486,10 @@ class CIFAR10GrayDataModule(LRADataModule):
         train_pixels, train_labels = self._read(train_files)
         test_pixels, test_labels = self._read([root / "test_batch"])
         if not 0 < self.val_size < len(train_labels):
-            raise ValueError(f"val_size={self.val_size} must be between 1 and {len(train_labels) - 1}")
+            raise DataError(
+                f"data.options.val_size={self.val_size} must be between 1 and {len(train_labels) - 1} "
+                f"(it is cut from the {len(train_labels)} CIFAR-10 training images; the paper uses 5000)"
+            )
         train_idx, val_idx = random_split_indices(
             len(train_labels), [len(train_labels) - self.val_size, self.val_size], self.split_seed
         )
@@ -465,10 +503,20 @@ class CIFAR10GrayDataModule(LRADataModule):
     def _read(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
         pixels, labels = [], []
         for file in files:
-            with open(file, "rb") as f:
-                batch = pickle.load(f, encoding="bytes")
-            pixels.append(rgb_to_gray(np.asarray(batch[b"data"], dtype=np.uint8)))
-            labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
+            try:
+                with open(file, "rb") as f:
+                    batch = pickle.load(f, encoding="bytes")
+                data = np.asarray(batch[b"data"], dtype=np.uint8)
+                label = np.asarray(batch[b"labels"], dtype=np.int64)
+                if data.ndim != 2 or data.shape[1] != 3072 or label.shape != (len(data),):
+                    raise ValueError(f"data {data.shape} and labels {label.shape}")
+            except Exception as e:  # whatever a damaged pickle raises
+                raise DataError(
+                    f"{file} is not a CIFAR-10 python batch ({type(e).__name__}: {str(e)[:100]}); expected a "
+                    f"pickle with b'data' (N, 3072) uint8 and b'labels'; get it again from {CIFAR_SOURCE}"
+                ) from None
+            pixels.append(rgb_to_gray(data))
+            labels.append(label)
         return np.concatenate(pixels), np.concatenate(labels)
 
 
@@ -515,19 +563,36 @@ class PathfinderDataModule(LRADataModule):
                 f"data_dir/pathfinder{self.resolution}/{self.difficulty}/metadata/<k>.npy and "
                 f"imgs/<k>/sample_<i>.png. Get it from {LRA_SOURCE}."
             )
-        files, labels = [], []
+        files, labels, empty = [], [], 0
         for path in metadata:
-            for line in path.read_text().splitlines():
-                fields = line.split()
+            for line_number, line in enumerate(path.read_bytes().splitlines(), start=1):
+                fields = line.decode("utf-8", errors="replace").split()
                 if not fields:
                     continue
+                if len(fields) < 4 or fields[3] not in ("0", "1"):
+                    raise DataError(
+                        f"{path}:{line_number}: expected 'imgs/<k> sample_<i>.png <i> <label 0/1> ...', "
+                        f"got {line[:80]!r}"
+                    )
                 relative = f"{fields[0]}/{fields[1]}"
-                if (
-                    os.stat(self.root / relative).st_size == 0
-                ):  # e.g. pathfinder32/curv_baseline/imgs/0/sample_172.png
+                try:
+                    size = os.stat(self.root / relative).st_size
+                except FileNotFoundError:
+                    raise DataError(
+                        f"{self.root / relative} is missing (listed in {path}:{line_number})"
+                    ) from None
+                if size == 0:  # e.g. pathfinder32/curv_baseline/imgs/0/sample_172.png
+                    empty += 1
                     continue
                 files.append(relative.encode())
                 labels.append(int(fields[3]))
+        log.info("%s: skipped %d empty image file(s) (as Mega and S4 do)", self.root, empty)
+        common.check_images(
+            [self.root / f.decode() for f in files],
+            common.cache_dir_for(self.data_dir, f"pathfinder{self.resolution}_{self.difficulty}"),
+            f"expected a {self.resolution}x{self.resolution} grayscale PNG (LRA Pathfinder); get {LRA_SOURCE}",
+            size=(self.resolution, self.resolution),
+        )
         dataset = PathfinderDataset(
             self.root, np.array(files), np.array(labels, dtype=np.int64), self.resolution
         )

@@ -2,19 +2,25 @@
 
 Layout (DATA.md): ``<data_dir>/speech_commands_v0.02/<word>/<speaker>_nohash_<n>.wav`` (16-bit PCM mono).
 Only the ten SC10 words are read and only clips of exactly 16000 samples are kept (34,975 in the release);
-samples are scaled by 1/2^15. The split is stratified by word, 70/15/15: a seeded 70/30 split, then the 30
-halved by a second split with the same seed (the two ``train_test_split`` calls of S4). Inputs are
-z-normalised with the mean and standard deviation of the training clips (one scalar each, as S4).
+samples are scaled by 1/2^15; the shorter clips are skipped (their count is logged). A clip that is not
+16 kHz mono, or not a readable WAV, is a ``DataError`` naming the file. The split is stratified by word,
+70/15/15: a 70/30 split seeded with ``split_seed``, then the 30 halved by a second split seeded with
+``split_seed + 1`` (S4's ``split_data``: ``train_test_split`` with ``random_state=0``, then ``1``; the default
+``split_seed=0`` follows it). The training ``seed`` orders the batches only, so every seed of a study sees the
+same test set. Inputs are z-normalised with the mean and standard deviation of the training clips (one
+scalar each, as S4).
 
 Decoding happens once: ``<cache_dir>/waveforms.npy`` (int16 ``[N, 16000]``, memory-mapped) and
-``labels.npy`` (int64 ``[N]``), plus ``split_seed<seed>.npz`` with the split indices and the training
-statistics. Batches: ``{"input": [B, 16000] float32, "padding_mask": [B, 16000] bool (all False: every clip
+``labels.npy`` (int64 ``[N]``), plus ``split<split_seed>.npz`` with the split indices and the training
+statistics; ``cache_dir`` defaults to ``<data_dir>/cache/speech_commands_sc10``, or to a user cache when the
+data directory is read-only (``common.cache_dir_for``). Batches: ``{"input": [B, 16000] float32, "padding_mask": [B, 16000] bool (all False: every clip
 is full length), "label": [B] int64}``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -25,7 +31,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from datamodules.common import ResumableDataLoader, ResumableSampler
+from datamodules.common import ResumableDataLoader, ResumableSampler, cache_dir_for
+from datamodules.errors import DataError
+
+log = logging.getLogger(__name__)
 
 SC10_WORDS = ("yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go")
 CLIP_SAMPLES = 16000
@@ -46,10 +55,11 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
     return rest, part
 
 
-def sc10_split(labels: np.ndarray, seed: int) -> dict[str, np.ndarray]:
-    """70/15/15 stratified train/val/test indices: 70/30, then the 30 halved (both splits seeded with ``seed``)."""
-    train, held = stratified_split(labels, 0.3, seed)
-    val_local, test_local = stratified_split(labels[held], 0.5, seed)
+def sc10_split(labels: np.ndarray, split_seed: int) -> dict[str, np.ndarray]:
+    """70/15/15 stratified train/val/test indices: 70/30 seeded with ``split_seed``, then the 30 halved with
+    ``split_seed + 1`` (S4's two ``train_test_split`` calls, ``random_state`` 0 and 1)."""
+    train, held = stratified_split(labels, 0.3, split_seed)
+    val_local, test_local = stratified_split(labels[held], 0.5, split_seed + 1)
     return {"train": train, "val": held[val_local], "test": held[test_local]}
 
 
@@ -95,23 +105,26 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         seed: int = 42,
         eval_batch_size: int | None = None,
         cache_dir: str | None = None,
+        split_seed: int = 0,
     ):
         """
         Args:
             data_dir: folder holding ``speech_commands_v0.02/``.
             batch_size: training clips per batch (Mega: 20).
-            seed: seeds both stratified splits and the training order.
+            seed: seeds the training order only.
             eval_batch_size: validation/test batch size (default ``batch_size``).
-            cache_dir: decoded clips and splits (default ``<data_dir>/cache/speech_commands_sc10``).
+            cache_dir: decoded clips and splits (default: see ``common.cache_dir_for``).
+            split_seed: seeds the two stratified splits (default 0: S4's ``random_state`` 0, then 1).
         """
         super().__init__()
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "speech_commands_v0.02"
-        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache" / "speech_commands_sc10"
+        self.cache_dir = cache_dir_for(self.data_dir, "speech_commands_sc10", cache_dir)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.split_seed = split_seed
         self.datasets: dict[str, SpeechCommandsDataset] = {}
         self.mean: float | None = None
         self.std: float | None = None
@@ -132,26 +145,46 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         ]
 
     def prepare_data(self) -> None:
-        """Decodes the SC10 clips, then splits them for ``seed``, each once (idempotent; run on one process per
-        node)."""
+        """Decodes the SC10 clips, then splits them for ``split_seed``, each once (idempotent; run on one
+        process per node)."""
         if not (self.cache_dir / "meta.json").is_file():
             self._decode()
         self._split(np.load(self.cache_dir / "labels.npy"))
 
+    @staticmethod
+    def _frames(path: Path) -> int:
+        """Sample count of a 16 kHz mono WAV; ``DataError`` naming ``path`` for anything else."""
+        try:
+            info = soundfile.info(str(path))
+        except (RuntimeError, soundfile.LibsndfileError) as e:
+            raise DataError(
+                f"{path} is not a readable WAV file ({e}); expected 16 kHz mono 16-bit PCM"
+            ) from None
+        if info.samplerate != 16000 or info.channels != 1:
+            raise DataError(
+                f"{path} has {info.samplerate} Hz, {info.channels} channel(s); expected 16 kHz mono "
+                f"(Speech Commands v0.02 clips); replace the file or remove it"
+            )
+        return info.frames
+
     def _decode(self) -> None:
         files = self._wav_files()
         # Headers first (cheap), so the memory-mapped output can be allocated at its final size.
-        keep = [(p, y) for p, y in files if soundfile.info(str(p)).frames == CLIP_SAMPLES]
+        keep = [(p, y) for p, y in files if self._frames(p) == CLIP_SAMPLES]
         if not keep:
-            raise FileNotFoundError(f"no clip of exactly {CLIP_SAMPLES} samples under {self.root}")
+            raise DataError(f"no clip of exactly {CLIP_SAMPLES} samples under {self.root}")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_dir / f"waveforms.tmp{os.getpid()}.npy"
         waves = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int16, shape=(len(keep), CLIP_SAMPLES))
         for i, (path, _) in enumerate(tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips")):
-            audio, rate = soundfile.read(str(path), dtype="int16")
-            if audio.ndim != 1 or rate != 16000:
-                raise ValueError(
-                    f"{path}: expected 16 kHz mono audio, got rate {rate} and shape {audio.shape}"
+            try:
+                audio, rate = soundfile.read(str(path), dtype="int16")
+            except (RuntimeError, soundfile.LibsndfileError) as e:
+                raise DataError(f"{path} is not a readable WAV file ({e}); expected 16 kHz mono") from None
+            if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
+                raise DataError(
+                    f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
+                    f"{CLIP_SAMPLES} samples as its header says"
                 )
             waves[i] = audio
         waves.flush()
@@ -163,10 +196,10 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         (self.cache_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
     def _split(self, labels: np.ndarray) -> dict:
-        """Split indices and training statistics for ``seed``, computed once and cached."""
-        path = self.cache_dir / f"split_seed{self.seed}.npz"
-        if not path.is_file():
-            split = sc10_split(labels, self.seed)
+        """Split indices and training statistics for ``split_seed``, computed once and cached."""
+        path = self.cache_dir / f"split{self.split_seed}.npz"  # (older caches named split_seed<seed>.npz
+        if not path.is_file():  # used one seed for both splits: not reused)
+            split = sc10_split(labels, self.split_seed)
             waves = np.load(self.cache_dir / "waveforms.npy", mmap_mode="r")
             total, total_sq = 0.0, 0.0
             for start in range(0, len(split["train"]), 1024):  # float64 sums over blocks of clips
@@ -185,6 +218,16 @@ class SpeechCommandsDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ Lightning
     def setup(self, stage: str | None = None) -> None:
         self.prepare_data()
+        meta = json.loads((self.cache_dir / "meta.json").read_text())
+        log.info(
+            "Speech Commands SC10: %d clips of %d samples; skipped %d clips not of exactly %d samples "
+            "(the shorter ones, as Mega and S4 do); cache %s",
+            meta["clips"],
+            CLIP_SAMPLES,
+            meta["scanned"] - meta["clips"],
+            CLIP_SAMPLES,
+            self.cache_dir,
+        )
         labels = np.load(self.cache_dir / "labels.npy")
         split = self._split(labels)
         self.mean, self.std = float(split["mean"]), float(split["std"])

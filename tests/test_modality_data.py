@@ -102,8 +102,12 @@ def test_speech_cache_is_reused(speech, monkeypatch):
         np.testing.assert_array_equal(again.datasets[name].rows, dm.datasets[name].rows)
     torch.testing.assert_close(again.datasets["test"][0]["input"], dm.datasets["test"][0]["input"])
     other_seed = SpeechCommandsDataModule(str(dm.data_dir), batch_size=8, seed=4)
-    other_seed.setup("fit")  # a new split from the same decoded clips
-    assert not np.array_equal(other_seed.datasets["train"].rows, dm.datasets["train"].rows)
+    other_seed.setup("fit")  # the training seed orders batches only: same split
+    for name in ("train", "val", "test"):
+        np.testing.assert_array_equal(other_seed.datasets[name].rows, dm.datasets[name].rows)
+    other_split = SpeechCommandsDataModule(str(dm.data_dir), batch_size=8, seed=3, split_seed=4)
+    other_split.setup("fit")  # a new split from the same decoded clips
+    assert not np.array_equal(other_split.datasets["train"].rows, dm.datasets["train"].rows)
 
 
 def test_speech_missing_data_names_layout(tmp_path):
@@ -141,7 +145,7 @@ def test_imagenet_batches_and_mixup(image_dir):
     assert dm.on_after_batch_transfer(val, 0)["label"].dtype == torch.int64
     with pytest.raises(ValueError, match="even"):
         ImageNetDataModule(str(image_dir), batch_size=3, num_classes=3, image_size=32)
-    with pytest.raises(ValueError, match="3 class folders, expected 1000"):
+    with pytest.raises(ValueError, match=r"3 class folders, but data\.options\.num_classes=1000"):
         ImageNetDataModule(str(image_dir), batch_size=4, image_size=32).setup("fit")
 
 
@@ -179,24 +183,51 @@ def test_imagenet_mixup_runs_inside_a_trainer(image_dir):
 def test_repeat_aug_sampler_single_process(image_dir):
     from torch.utils.data import DistributedSampler
 
-    from datamodules.imagenet import ImageNetDataModule, RepeatAugSampler
+    from datamodules.common import ResumableSampler
+    from datamodules.imagenet import ImageNetDataModule
 
     dm = ImageNetDataModule(
         str(image_dir), batch_size=4, num_workers=0, num_classes=3, image_size=32, repeated_aug=3
     )
     dm.setup("fit")
     sampler = dm.train_dataloader().sampler
-    assert isinstance(sampler, RepeatAugSampler) and isinstance(sampler, DistributedSampler)
-    order = list(sampler)
-    assert len(order) == len(sampler) == 12  # one process: an epoch is len(dataset) draws
+    assert isinstance(sampler, ResumableSampler) and isinstance(sampler, DistributedSampler)
+    order = [i for i, _ in sampler]
+    assert len(order) == len(sampler) == 12  # one process, fewer than 256 images: len(dataset) draws
     assert all(order[i] == order[i + 1] == order[i + 2] for i in range(0, 12, 3))  # 4 images x 3 repeats
+    assert [key for _, key in sampler] == [(0, 0, p) for p in range(12)]  # (seed, epoch, position)
     sampler.set_epoch(1)
-    assert list(sampler) != order
+    assert [i for i, _ in sampler] != order
+    # timm's rule: with >= 256 images each rank draws floor(n // 256 * 256 / ranks) of the n * 3 repeats,
+    # and the 3 repeats of an image land on 3 different ranks
+    ranks = [ResumableSampler(600, seed=1, repeats=3, num_replicas=3, rank=r) for r in range(3)]
+    assert [len(r) for r in ranks] == [512 // 3] * 3
+    a, b, c = (r.indices(0) for r in ranks)
+    assert a == b == c
     plain = ImageNetDataModule(
         str(image_dir), batch_size=4, num_workers=0, num_classes=3, image_size=32, repeated_aug=1
     )
     plain.setup("fit")
-    assert not isinstance(plain.train_dataloader().sampler, RepeatAugSampler)
+    plain_order = [i for i, _ in plain.train_dataloader().sampler]
+    assert sorted(plain_order) == list(range(12))
+
+
+def test_randaugment_posterize_at_magnitude_10(image_dir):
+    """timm's PosterizeIncreasing keeps 0 bits at magnitude 10, which Pillow >= 12 rejects: it must give the
+    all-black image that ``x & ~255`` does instead of ending the run."""
+    from PIL import Image
+    from timm.data.auto_augment import RandAugment
+
+    from datamodules.imagenet import ImageNetDataModule
+
+    dm = ImageNetDataModule(str(image_dir), batch_size=4, num_classes=3, image_size=32)
+    (augment,) = [t for t in dm.train_transform.transforms if isinstance(t, RandAugment)]
+    (op,) = [op for op in augment.ops if op.name == "PosterizeIncreasing"]
+    op.prob, op.magnitude, op.magnitude_std = 1.0, 10, 0
+    image = Image.fromarray(np.arange(32 * 32 * 3, dtype=np.uint8).reshape(32, 32, 3))
+    assert not np.asarray(op(image)).any()
+    op.magnitude = 5  # 4 - int(0.5 * 4) = 2 bits kept: x & 0b11000000
+    np.testing.assert_array_equal(np.asarray(op(image)), np.asarray(image) & 0xC0)
 
 
 def test_imagenet_missing_data_names_layout(tmp_path):
