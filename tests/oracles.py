@@ -324,7 +324,7 @@ def adaptive_embed(tokens, head_w, tails, cutoffs):
     bounds = [0, *cutoffs]
     rows = []
     for w in tokens.flatten().tolist():
-        band = max(i for i in range(len(bounds) - 1) if w >= bounds[i])
+        band = max(i for i in range(len(bounds)) if w >= bounds[i])
         if band == 0:
             rows.append(head_w.double()[w])
         else:
