@@ -215,6 +215,8 @@ def test_lm_train_mode_matches_oracle(monkeypatch, share_emb):
     rec.assert_consumed()
     assert [p for p, _ in rec.places if not p.startswith("path")] == ["embed", *BLOCK_PLACES * cfg.num_layers]
     assert len(rec.attention) == cfg.num_layers
+    for place, keep in rec.places:
+        assert place.startswith("path") or 0 < (~keep).sum() < keep.numel(), f"{place}: a trivial mask"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,8 +242,9 @@ def test_classifier_train_mode_with_drop_path_matches_oracle(monkeypatch):
     paths = [(place, keep) for place, keep in rec.places if place.startswith("path")]
     assert [p for p, _ in paths] == ["path_H", "path_FFN"] * cfg.num_layers
     assert all(keep.all() for _, keep in paths[:2]), "block 0 has drop-path rate 0"
-    deep = torch.cat([keep.flatten() for _, keep in paths[2:]])
-    assert deep.any() and not deep.all(), "no sample's branch was both kept and dropped: weak test"
+    assert any(keep.any() and not keep.all() for _, keep in paths[2:]), (
+        "no mask kept some samples, dropped others"
+    )
     assert [p for p, _ in rec.places][-1] == "head"
 
 
