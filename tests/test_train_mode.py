@@ -72,9 +72,6 @@ class MaskRecorder:
         monkeypatch.setattr(model_module, "drop_path", recording_drop_path)
         monkeypatch.setattr(model_module, "chunk_attention", recording_attention)
 
-    def reset(self):
-        self.dropouts.clear(), self.paths.clear(), self.attention.clear(), self.places.clear()
-
     def __call__(self, place, p, shape):
         queue = self.paths if place.startswith("path") else self.dropouts
         assert queue, f"SPEC applies dropout at {place} (p={p}); the model drew no further mask"
