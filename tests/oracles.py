@@ -246,3 +246,220 @@ def max_rel_err(actual, expected):
     expected = expected.to(torch.complex128 if expected.is_complex() else torch.float64)
     actual = actual.to(expected.dtype)
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# §1, §5, §6 in train mode: RoPE, DropKey attention, adaptive input / softmax, one block, the LM, the
+# classifier. Every dropout is applied here, in its SPEC place, from a mask the caller supplies:
+# ``mask(place, p, shape) -> bool keep-mask`` (the caller may assert p and shape); the oracle does the
+# rescaling t · keep / (1 − p) itself.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def rope_chunks(x, chunk_size, base):
+    """RoPE with positions restarting at 0 in every chunk (SPEC §4): the interleaved pair (x[2i], x[2i+1])
+    at position t is rotated by the angle (t mod C) · base^(−2i/d). x [B, L, h, d]."""
+    L, d = x.shape[1], x.shape[-1]
+    pos = (torch.arange(L) % chunk_size).double()[None, :, None]
+    cols = []
+    for i in range(d // 2):
+        angle = pos * base ** (-(2 * i) / d)
+        x0, x1 = x[..., 2 * i], x[..., 2 * i + 1]
+        cols += [x0 * torch.cos(angle) - x1 * torch.sin(angle), x0 * torch.sin(angle) + x1 * torch.cos(angle)]
+    return torch.stack(cols, -1)
+
+
+def chunk_attention_dropkey(q, k, v, chunk_size, causal, key_padding_mask=None, dropped=None):
+    """SPEC §4 DropKey, one query row at a time: the keys of the query's chunk, j ≤ i when causal, not padding,
+    and not dropped; softmax with scale 1.0 over the survivors, NO rescaling; a row with no surviving key
+    outputs zeros. dropped [B, h, ≥L, C] bool: dropped[b, h, i, j − chunk start] removes key j for query i.
+    q, k [B, L, h, dk], v [B, L, h, dv] (RoPE already applied) -> [B, L, h, dv] float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, L, H, _ = q.shape
+    pad = torch.zeros(B, L, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
+    per_batch = []
+    for b in range(B):
+        per_head = []
+        for h in range(H):
+            rows = []
+            for start in range(0, L, chunk_size):
+                end = min(start + chunk_size, L)
+                for i in range(start, end):
+                    keys = [
+                        j
+                        for j in range(start, end)
+                        if (not causal or j <= i)
+                        and not pad[b, j]
+                        and not (dropped is not None and dropped[b, h, i, j - start])
+                    ]
+                    if not keys:
+                        rows.append(v.new_zeros(v.shape[-1]))
+                        continue
+                    logits = k[b, keys, h] @ q[b, i, h]
+                    e = torch.exp(logits - logits.max())
+                    rows.append(((e / e.sum())[:, None] * v[b, keys, h]).sum(0))
+            per_head.append(torch.stack(rows))
+        per_batch.append(torch.stack(per_head, dim=1))
+    return torch.stack(per_batch)
+
+
+def adaptive_log_prob(h, head_w, tails, cutoffs):
+    """Adaptive softmax (Grave et al.), float64: h [N, D] -> log P(w | h) [N, V].
+    Head logits h · head_wᵀ over [the c₀ shortlist words, one entry per tail cluster];
+    band i ≥ 1 (words c_{i−1} .. c_i − 1): log P = log softmax(head)[c₀ + i − 1] + log softmax(out_i(proj_i h)),
+    tails[i−1] = (proj_w [D/f^i, D], out_w [c_i − c_{i−1}, D/f^i])."""
+    h = h.double()
+    head = torch.log_softmax(h @ head_w.double().T, -1)
+    c0 = cutoffs[0]
+    parts = [head[:, :c0]]
+    for i, (proj_w, out_w) in enumerate(tails):
+        tail = torch.log_softmax((h @ proj_w.double().T) @ out_w.double().T, -1)
+        parts.append(head[:, c0 + i, None] + tail)
+    return torch.cat(parts, -1)
+
+
+def adaptive_embed(tokens, head_w, tails, cutoffs):
+    """Tied adaptive input (Baevski & Auli): word w of band 0 -> head_w[w]; of band i -> out_w[w − c_{i−1}]
+    (width D/f^i) projected up to D with the tied projection: out_w[w − c_{i−1}] · proj_w. -> [B, L, D]."""
+    bounds = [0, *cutoffs]
+    rows = []
+    for w in tokens.flatten().tolist():
+        band = max(i for i in range(len(bounds)) if w >= bounds[i])
+        if band == 0:
+            rows.append(head_w.double()[w])
+        else:
+            proj_w, out_w = tails[band - 1]
+            rows.append(out_w.double()[w - bounds[band]] @ proj_w.double())
+    return torch.stack(rows).reshape(*tokens.shape, -1)
+
+
+def _silu(t):
+    return t / (1 + torch.exp(-t))
+
+
+def _dropout(t, place, p, mask):
+    """t · keep / (1 − p) with the caller's keep-mask for ``place`` (identity at p = 0)."""
+    keep = mask(place, p, tuple(t.shape))
+    return t if p == 0 else t * keep / (1 - p)
+
+
+def _drop_path(t, place, p, mask):
+    """Stochastic depth: the whole branch of a sample is kept (and scaled by 1 / (1 − p)) or zeroed."""
+    keep = mask(place, p, (t.shape[0], 1, 1))
+    return t if p == 0 else t * keep / (1 - p)
+
+
+def megalodon_block(P, cfg, x, mask, layer_index=0, dropped=None, classifier=False, padding_mask=None):
+    """SPEC §1 (LM form) or §6 (classifier form) of one block in train mode, float64.
+
+    P maps the block's parameter names (reference names, e.g. "mega.wz.weight") to tensors; ``mask`` supplies
+    the keep-masks (see above) of the places "M", "OR", "H", "A", "FFN" and, in the classifier, the
+    drop-path places "path_H", "path_FFN" with rate drop_path · i / (layers − 1) for block i;
+    ``dropped`` is the DropKey mask of ``chunk_attention_dropkey`` (None: no attention dropout).
+    """
+    B, L, D = x.shape
+    eps, heads, G = cfg.norm_eps, cfg.num_heads, cfg.norm_num_groups
+    zd = cfg.z_dim // heads
+    ph, pd = cfg.hidden_dropout, cfg.dropout
+
+    def linear(t, name, bias=True):
+        out = t @ P[f"{name}.weight"].T
+        return out + P[f"{name}.bias"] if bias else out
+
+    w, b = P["mega.timenorm.weight"], P["mega.timenorm.bias"]
+    p, q, gam = cema_coefficients(
+        P["mega.cema.alpha"], P["mega.cema.delta"], P["mega.cema.theta"], P["mega.cema.gamma"]
+    )
+    omega = P["mega.cema.omega"][:, 0]
+    if classifier:
+        x_hat = group_norm(x, w, b, G, eps, padding_mask)  # padded steps are 0
+        x_cema = cema_bidirectional(x_hat, p, q, gam, omega)
+    else:
+        x_hat = timestep_norm(x, w, b, G, eps)[0]
+        x_cema = cema_recurrence(x_hat, p, q, gam, omega)[0]
+
+    rms = x_cema / torch.sqrt((x_cema * x_cema).mean(-1, keepdim=True) + eps) * (1 + P["mega.rmsnorm.weight"])
+    m = _dropout(rms, "M", ph, mask)  # M = dropout_h(RMSNorm(X'))
+    z = linear(m, "mega.wz").reshape(B, L, heads, zd)
+    z_hat = z / torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
+    gamma, beta = P["mega.gamma"].reshape(2, heads, zd), P["mega.beta"].reshape(2, heads, zd)
+    q_ = rope_chunks(z_hat * (1 + gamma[0]) / math.sqrt(zd) + beta[0], cfg.chunk_size, cfg.rope_base)
+    k_ = rope_chunks(z_hat * (1 + gamma[1]) / math.sqrt(zd) + beta[1], cfg.chunk_size, cfg.rope_base)
+    v = _silu(linear(x_hat, "mega.wv")).reshape(B, L, heads, -1)  # V from the TimestepNorm output
+    r = _silu(linear(m, "mega.wr"))
+    o = chunk_attention_dropkey(q_, k_, v, cfg.chunk_size, not classifier, padding_mask, dropped)
+    gated = _dropout(o.reshape(B, L, -1) * r, "OR", ph, mask)  # dropout_h(O ⊙ R)
+    h = linear(m, "mega.wh1") + linear(gated, "mega.wh2", bias=False)
+
+    p_path = cfg.drop_path * layer_index / max(1, cfg.num_layers - 1)
+    y = _drop_path(_dropout(h, "H", pd, mask), "path_H", p_path, mask) + x  # Y = dropout(H) + X
+    u = y - y.mean(-1, keepdim=True)
+    u = (
+        u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps) * (1 + P["nffn.norm.weight"])
+        + P["nffn.norm.bias"]
+    )
+    a = _silu(linear(u, "nffn.fc1", bias=False))
+    if cfg.swiglu:
+        a = a * linear(u, "nffn.fc3", bias=False)
+    ffn = _drop_path(_dropout(linear(_dropout(a, "A", ph, mask), "nffn.fc2", bias=False), "FFN", pd, mask),
+                     "path_FFN", p_path, mask)  # fmt: skip
+    # two-hop residual: out = X + α ⊙ dropout(dropout_h(A) W_2), the FFN's residual is X, not Y
+    return x + (P["nffn.alpha"] * ffn if cfg.layer_scale else ffn)
+
+
+def _sub(P, prefix):
+    return {n[len(prefix) :]: t for n, t in P.items() if n.startswith(prefix)}
+
+
+def megalodon_lm(P, cfg, tokens, mask, dropped=None):
+    """SPEC §5 in train mode: embed (· sqrt(D) with scale_emb) -> dropout ("embed") -> blocks -> final
+    TimestepNorm -> output projection (tied to the embedding with share_emb), or adaptive input / softmax
+    with adaptive_cutoffs. Returns logits [B, L, V] (log-probabilities for the adaptive softmax).
+    ``dropped``: a DropKey mask per layer, or None. P holds the LM's parameters by their reference names."""
+    D = cfg.model_dim
+    cutoffs = list(cfg.adaptive_cutoffs)
+    if cutoffs:
+        tails = [
+            (P[f"output.output.tail.{i}.0.weight"], P[f"output.output.tail.{i}.1.weight"])
+            for i in range(len(cutoffs))
+        ]
+        x = adaptive_embed(tokens, P["output.output.head.weight"], tails, cutoffs)
+    else:
+        x = P["embed.weight"][tokens]
+    if cfg.scale_emb:
+        x = x * math.sqrt(D)
+    x = _dropout(x, "embed", cfg.dropout, mask)
+    for i in range(cfg.num_layers):
+        x = megalodon_block(_sub(P, f"layers.{i}."), cfg, x, mask, i, None if dropped is None else dropped[i])
+    x = timestep_norm(x, P["output.final_norm.weight"], P["output.final_norm.bias"], cfg.norm_num_groups,
+                      cfg.norm_eps)[0]  # fmt: skip
+    if cutoffs:
+        B, L, _ = x.shape
+        return adaptive_log_prob(x.reshape(B * L, D), P["output.output.head.weight"], tails, cutoffs).reshape(
+            B, L, -1
+        )
+    w_out = P["embed.weight"] if cfg.share_emb else P["output.output.weight"]
+    return x @ w_out.T
+
+
+def megalodon_classifier(P, cfg, x, padding_mask, mask, dropped=None):
+    """SPEC §6 in train mode (token or scalar input): encoder -> padded steps zeroed -> dropout ("embed", as
+    Mega) -> blocks with drop-path -> final group norm -> masked mean -> Linear -> GELU -> dropout ("head")
+    -> Linear (no bias). Returns logits [B, classes]."""
+    if cfg.input_type == "token":
+        h = P["encoder.embed.weight"][x] * (math.sqrt(cfg.model_dim) if cfg.scale_emb else 1.0)
+    else:
+        h = x.double()[..., None] * P["encoder.weight"] + P["encoder.bias"]
+    valid = (~padding_mask)[..., None].double()
+    h = _dropout(h * valid, "embed", cfg.dropout, mask)
+    for i in range(cfg.num_layers):
+        h = megalodon_block(
+            _sub(P, f"layers.{i}."), cfg, h, mask, i, None if dropped is None else dropped[i],
+            classifier=True, padding_mask=padding_mask,
+        )  # fmt: skip
+    h = group_norm(h, P["final_norm.weight"], P["final_norm.bias"], cfg.norm_num_groups, cfg.norm_eps,
+                   padding_mask)  # fmt: skip
+    pooled = (h * valid).sum(1) / valid.sum(1)
+    a = pooled @ P["head.fc1.weight"].T + P["head.fc1.bias"]
+    a = 0.5 * a * (1 + torch.erf(a / math.sqrt(2)))
+    return _dropout(a, "head", cfg.dropout, mask) @ P["head.fc2.weight"].T
