@@ -42,12 +42,6 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
-def _is_no_decay(name: str, param: nn.Parameter) -> bool:
-    leaf = name.rsplit(".", 1)[-1]
-    in_norm = any(s in name for s in ("norm.", "rmsnorm.", "timenorm.", "final_norm."))
-    return param.dim() < 2 or in_norm or ".cema." in name or "embed" in name or leaf in ("gamma", "beta")
-
-
 class MegalodonModule(L.LightningModule):
     """Shared optimisation, logging and sharding."""
 
@@ -70,12 +64,10 @@ class MegalodonModule(L.LightningModule):
         o = self.optim_cfg
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if o["no_decay_groups"]:
+            exempt = self.model.no_weight_decay()
             groups = [
-                {
-                    "params": [p for n, p in named if not _is_no_decay(n, p)],
-                    "weight_decay": o["weight_decay"],
-                },
-                {"params": [p for n, p in named if _is_no_decay(n, p)], "weight_decay": 0.0},
+                {"params": [p for n, p in named if n not in exempt], "weight_decay": o["weight_decay"]},
+                {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0},
             ]
         else:  # the reference code decays every parameter (SPEC §11)
             groups = [{"params": [p for _, p in named], "weight_decay": o["weight_decay"]}]

@@ -119,6 +119,19 @@ class Backbone(nn.Module):
         """The float32 islands (``@float32_island``): CEMA, every norm, the logits head."""
         return [m for m in self.modules() if is_float32_island(m)]
 
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters that ``optim.no_decay_groups`` exempts from weight decay (timm's
+        ``no_weight_decay``): every 1-D parameter (biases, norm scales), embeddings, and what a module lists
+        in ``no_weight_decay_params`` (CEMA's parameters, the Q/K scales and offsets, learned positions).
+        The paper recipes decay everything (SPEC §11); this is the documented option."""
+        names = set()
+        for prefix, module in self.named_modules():
+            listed = getattr(module, "no_weight_decay_params", ())
+            for name, p in module.named_parameters(recurse=False):
+                if p.dim() < 2 or isinstance(module, nn.Embedding) or name in listed:
+                    names.add(f"{prefix}.{name}" if prefix else name)
+        return names
+
 
 # --------------------------------------------------------------------------- norms
 
@@ -205,6 +218,8 @@ class LayerNorm(nn.LayerNorm):
 @float32_island()
 class ComplexEMA(nn.Module):
     """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
+
+    no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
 
     def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
         super().__init__()
@@ -353,6 +368,8 @@ class LayerCache:
 
 class MegalodonAttention(nn.Module):
     """TimestepNorm -> CEMA -> normalised chunk attention with gated output (SPEC §1, first half)."""
+
+    no_weight_decay_params = ("gamma", "beta")  # the Q/K scales and offsets
 
     def __init__(self, cfg: MegalodonConfig):
         super().__init__()
@@ -652,10 +669,11 @@ class MegalodonLM(Backbone):
         flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
         valid = flat_t != ignore_index
         if self.adaptive:
-            nll = flat_h.new_zeros(flat_t.shape, dtype=torch.float32)
+            dtype = torch.float64 if flat_h.dtype == torch.float64 else torch.float32
+            nll = flat_h.new_zeros(flat_t.shape, dtype=dtype)
             if valid.any():
                 nll = nll.index_put(
-                    (valid,), self.output.output.token_nll(flat_h[valid], flat_t[valid]).float()
+                    (valid,), self.output.output.token_nll(flat_h[valid], flat_t[valid]).to(dtype)
                 )
             return nll.view_as(target)
         logits = self.logits(flat_h)
@@ -841,6 +859,8 @@ class ScalarEncoder(nn.Module):
 
 class PatchEncoder(nn.Module):
     """16x16 patch embedding plus learned positions (ImageNet): [B, C, H, W] -> [B, H*W/P^2, D]."""
+
+    no_weight_decay_params = ("pos",)
 
     def __init__(self, cfg: MegalodonConfig):
         super().__init__()

@@ -8,7 +8,6 @@ P(w) = P(cluster i) · softmax(out_i(proj_i(h)))[w − c_{i−1}] with P(cluster
 
 import math
 
-import pytest
 import test_model as tm
 import torch
 from oracles import adaptive_embed, adaptive_log_prob, megalodon_lm
@@ -109,13 +108,6 @@ def test_adaptive_lm_train_mode_matches_oracle(monkeypatch):
     rec.assert_consumed()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: MegalodonLM.token_nll returns float32 for the adaptive softmax even when the model runs in "
-    "float64 (it allocates the NLL with dtype=torch.float32 and casts with .float()), so float64 runs lose "
-    "precision; SPEC §1 wants every step in float64 when the model runs in float64 (the non-adaptive path "
-    "keeps float64).",
-)
 def test_adaptive_lm_token_nll_is_float64_in_a_float64_model():
     cfg, model = adaptive_lm(76)
     model.eval()

@@ -154,12 +154,6 @@ def test_no_decay_groups_token_classifier():
     assert {"encoder.embed.weight", "head.fc1.bias", "final_norm.weight"} <= set(no_decay)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with no_decay_groups (recipes/imagenet.yaml sets it) the patch encoder's learned position "
-    "embedding `encoder.pos` [1, N, D] is weight-decayed: _is_no_decay exempts dim < 2, norms, CEMA and names "
-    "containing 'embed', and 'encoder.pos' is none of these; DeiT/timm exempt pos_embed (no_weight_decay).",
-)
 def test_no_decay_groups_patch_classifier_exempts_position_embedding():
     cfg = MegalodonConfig(**TINY, num_classes=3, input_type="patch", image_size=8, patch_size=4, in_chans=3)
     module = SequenceClassifier(cfg, optim=optim(no_decay_groups=True), trainer={}, total_steps=10)
