@@ -252,3 +252,46 @@ class LlamaLM(Backbone):
             stream[:, max(0, stream.shape[1] - (window - 1)) :], cache.position + tokens.shape[1]
         )
         return hidden, new
+
+
+# --------------------------------------------------------------------------- size matching
+
+
+def count_llama_parameters(cfg: LlamaConfig) -> int:
+    """Embedding (and untied output) V·D, per block 4D² (attention) + 3DF (SwiGLU) + 2D (norms), final D."""
+    d, f = cfg.model_dim, cfg.ffn_hidden_dim
+    embeddings = cfg.vocab_size * d * (1 if cfg.share_emb else 2)
+    return embeddings + cfg.num_layers * (4 * d * d + 3 * d * f + 2 * d) + d
+
+
+def head_count(model_dim: int) -> int:
+    """Llama's head width: 128 from D = 1024 up (Llama-2 7B: 32 heads of 128), 64 from 256, else D / 2."""
+    width = 128 if model_dim >= 1024 else 64 if model_dim >= 256 else max(2, model_dim // 2)
+    return max(1, model_dim // width)
+
+
+def matched_config(target_params: int, model_dim: int, vocab_size: int, share_emb: bool, **kw) -> LlamaConfig:
+    """The Llama of width ``model_dim`` whose parameter count is closest to ``target_params`` with an FFN
+    width near Llama's 8/3 · D: for each depth the SwiGLU width F (a multiple of 8) that fills the budget,
+    keeping the depth whose F / D is closest to 8/3 (the paper matches Megalodon-7B to Llama2-7B this way:
+    same width, similar depth)."""
+    d = model_dim
+    fixed = vocab_size * d * (1 if share_emb else 2) + d
+    best = None
+    for layers in range(1, 200):
+        f = round((target_params - fixed - layers * (4 * d * d + 2 * d)) / (3 * d * layers) / 8) * 8
+        if f < 8:
+            break
+        score = abs(f / d - 8 / 3)
+        if best is None or score < best[0]:
+            best = (score, layers, f)
+    if best is None:
+        raise ValueError(
+            f"no Llama of width {d} and vocabulary {vocab_size} fits {target_params:,} parameters: its "
+            "embeddings alone are larger"
+        )
+    _, layers, f = best
+    return LlamaConfig(
+        num_layers=layers, model_dim=d, num_heads=head_count(d), ffn_hidden_dim=f, vocab_size=vocab_size,
+        share_emb=share_emb, **kw,
+    )  # fmt: skip
