@@ -12,8 +12,19 @@ attention chunk C), non-overlapping windows of the packed training stream, shuff
 ``validation``, test = ``test``): book after book, each as consecutive segments ``{"input": [1, S],
 "target": [1, S], "first_segment": [1] bool}``; ``first_segment`` marks each book's first segment (reset the
 streaming cache there); targets are every token of a book after its BOS, EOS included. Perplexity is per
-word (DATA.md): ``exp(total NLL over the split / num_words[split])`` with ``num_words`` the number of
-whitespace-separated words of the split's books, whatever the tokenizer.
+word (DATA.md): ``exp(total NLL / words)`` with words the whitespace-separated words (``str.split``) of the
+books, whatever the tokenizer. Each segment also carries ``"words": [1]``, the words it completes: a word is
+assigned to the token that holds its last character (SentencePiece's byte offsets into the book text; a word
+left without one, e.g. made only of characters the normaliser drops, goes to the book's EOS), stored per
+token as ``<split>.words.npy`` for the evaluation splits. Summed over the segments actually scored it is the
+word count of the scored text, so word perplexity is right with ``limit_val_batches`` too (a book cut
+mid-way counts the words of its scored part); ``num_words[split]`` is the whole split's count.
+
+Training batches resume mid-epoch exactly (a :class:`ResumableSampler` order saved in Lightning
+checkpoints). The trained tokenizer samples its sentences with a fixed seed, not the training ``seed``, so
+every run of a study shares it. Caches go to ``cache_dir``, else ``<data_dir>/cache/pg19`` when writable,
+else a per-user cache (:func:`~datamodules.text_lm.resolve_cache_dir`). A book that is empty or not UTF-8,
+an empty split folder or a missing tokenizer raises a :class:`~datamodules.DataError` at set-up.
 """
 
 from __future__ import annotations
@@ -30,12 +41,17 @@ import sentencepiece as spm
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.errors import DataError
 from datamodules.text_lm import (
+    MissingDataError,
     PackedSequences,
     StreamSegments,
     TokenFileWriter,
     TokenStream,
+    check_token_file,
+    decode_utf8,
     packed_train_loader,
+    resolve_cache_dir,
     token_dtype,
     write_json_atomic,
 )
@@ -43,6 +59,10 @@ from datamodules.text_lm import (
 SPLIT_DIRS = {"train": "train", "val": "validation", "test": "test"}
 SOURCE = "https://github.com/google-deepmind/pg19 (bucket gs://deepmind-gutenberg)"
 _ENCODE_BATCH = 32  # books handed to SentencePiece's multi-threaded encoder at once
+_TOKENIZER_SEED = (
+    0  # SentencePiece's sentence sample: fixed, so the tokenizer never follows the training seed
+)
+_CACHE_FORMAT = 2  # 2: per-token word ends for the evaluation splits
 
 
 def book_files(folder: Path) -> list[Path]:
@@ -51,13 +71,28 @@ def book_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: (not p.stem.isdigit(), int(p.stem) if p.stem.isdigit() else 0, p.stem))
 
 
-def _training_lines(files: list[Path]) -> Iterator[str]:
-    for path in tqdm(files, desc="pg19 tokenizer training", unit=" books", mininterval=2):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    yield line
+def read_book(path: Path) -> str:
+    """A book's text; a :class:`DataError` naming the file when it is not UTF-8 or holds no word."""
+    text = decode_utf8(path.read_bytes(), path)
+    if not text.split():
+        raise DataError(f"{path} holds no text (an empty or truncated book): re-download it or remove it")
+    return text
+
+
+def word_ends(text: str, pieces) -> np.ndarray:
+    """Per piece of ``text``'s SentencePiece encoding (``pieces``, with byte offsets ``begin``/``end`` into the
+    UTF-8 text), how many words of ``text.split()`` end in it: word ``w`` ending at byte ``e_w`` (exclusive) is
+    assigned to the first piece with ``end >= e_w``. Returns ``len(pieces) + 1`` counts, the last for EOS,
+    which takes the words no piece reaches; the counts sum to ``len(text.split())``."""
+    codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    nbytes = 1 + (codepoints >= 0x80) + (codepoints >= 0x800) + (codepoints >= 0x10000)
+    byte_end = np.cumsum(nbytes)  # byte offset just after each character
+    space = np.fromiter((c.isspace() for c in text), dtype=bool, count=len(text))
+    last = ~space & np.append(space[1:], True)  # the last character of each word of str.split()
+    ends = byte_end[last]
+    piece_ends = np.maximum.accumulate(np.asarray([p.end for p in pieces], dtype=np.int64))
+    owner = np.searchsorted(piece_ends, ends, side="left")  # == len(pieces): EOS
+    return np.bincount(owner, minlength=len(pieces) + 1)
 
 
 class PG19DataModule(L.LightningDataModule):
@@ -89,12 +124,13 @@ class PG19DataModule(L.LightningDataModule):
             vocab_size, spm_model_type, byte_fallback: options of the tokenizer trained when none is given
                 (``hard_vocab_limit`` is off, so a small corpus may give fewer pieces than ``vocab_size``).
             spm_input_sentence_size: lines SentencePiece samples from the training books to train on.
-            cache_dir: tokenizer and token files (default ``<data_dir>/cache/pg19``).
+            cache_dir: tokenizer and token files (default ``<data_dir>/cache/pg19``, or a per-user cache when
+                the data directory is read-only).
         """
         super().__init__()
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "pg19"
-        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache" / "pg19"
+        self.cache_dir = resolve_cache_dir(self.data_dir, "pg19", cache_dir)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -111,14 +147,15 @@ class PG19DataModule(L.LightningDataModule):
         self.num_words: dict[str, int] = {}
         self.streams: dict[str, TokenStream] = {}
         self.book_offsets: dict[str, np.ndarray] = {}
+        self.word_ends: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ tokenizer
     def _check_layout(self) -> None:
         missing = [d for d in SPLIT_DIRS.values() if not (self.root / d).is_dir()]
-        if not missing and not any(p.suffix == ".txt" for p in (self.root / "train").iterdir()):
-            missing = ["train/*.txt"]
+        if not missing:
+            missing = [f"{d}/*.txt" for d in SPLIT_DIRS.values() if not book_files(self.root / d)]
         if missing:
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"PG-19 not found: missing {', '.join(str(self.root / m) for m in missing)}. Expected "
                 f"{self.root}/{{train,validation,test}}/<book_id>.txt (+ metadata.csv). Get it from {SOURCE} "
                 f"and copy it into {self.data_dir}."
@@ -135,15 +172,19 @@ class PG19DataModule(L.LightningDataModule):
             if self.tokenizer_path is not None:
                 path = Path(self.tokenizer_path)
                 if not path.is_file():
-                    raise FileNotFoundError(f"tokenizer_path {path} does not exist (a SentencePiece .model)")
+                    raise MissingDataError(
+                        f"data.options.tokenizer_path={path} does not exist: expected a SentencePiece .model "
+                        "(or leave tokenizer_path unset to train one on the training books)"
+                    )
             else:
                 path = self._trained_model_path()
                 if not path.is_file():
                     self._train_tokenizer(path)
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
             if self._sp.bos_id() < 0 or self._sp.eos_id() < 0:
-                raise ValueError(
-                    f"SentencePiece model {path} defines no BOS/EOS piece; PG-19 packing needs both"
+                raise DataError(
+                    f"SentencePiece model {path} (data.options.tokenizer_path) defines no BOS/EOS piece; PG-19 "
+                    "packing needs both"
                 )
         return self._sp
 
@@ -151,10 +192,33 @@ class PG19DataModule(L.LightningDataModule):
         self._check_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         prefix = path.with_name(f"{path.stem}.tmp{os.getpid()}")
+        spm.set_random_generator_seed(
+            _TOKENIZER_SEED
+        )  # the sentence sample, so the tokenizer is reproducible
+        errors: list[DataError] = []
+
+        def lines() -> Iterator[str]:
+            for book in tqdm(book_files(self.root / "train"), desc="pg19 tokenizer training", mininterval=2):
+                try:
+                    text = read_book(book)
+                except DataError as exc:  # SentencePiece turns it into a RuntimeError: keep it to re-raise
+                    errors.append(exc)
+                    raise
+                yield from (line for line in map(str.strip, text.splitlines()) if line)
+
+        try:
+            self._run_trainer(lines(), prefix)
+        except RuntimeError:
+            if errors:
+                raise errors[0] from None
+            raise
+        os.replace(f"{prefix}.model", path)
+        Path(f"{prefix}.vocab").unlink(missing_ok=True)
+
+    def _run_trainer(self, sentences: Iterator[str], prefix: Path) -> None:
         o = self.spm_options
-        spm.set_random_generator_seed(self.seed)  # the sentence sample, so the tokenizer is reproducible
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(book_files(self.root / "train")),
+            sentence_iterator=sentences,
             model_prefix=str(prefix),
             vocab_size=o["vocab_size"],
             model_type=o["model_type"],
@@ -169,8 +233,6 @@ class PG19DataModule(L.LightningDataModule):
             num_threads=os.cpu_count() or 1,
             minloglevel=2,
         )
-        os.replace(f"{prefix}.model", path)
-        Path(f"{prefix}.vocab").unlink(missing_ok=True)
 
     @property
     def vocab_size(self) -> int:
@@ -187,7 +249,7 @@ class PG19DataModule(L.LightningDataModule):
         """Trains the tokenizer if needed and tokenises the three splits once (idempotent)."""
         self._check_layout()
         meta_path = self.token_dir / "meta.json"
-        if meta_path.is_file():
+        if meta_path.is_file() and json.loads(meta_path.read_text()).get("format") == _CACHE_FORMAT:
             return
         sp = self.tokenizer
         dtype = token_dtype(sp.get_piece_size())
@@ -196,21 +258,42 @@ class PG19DataModule(L.LightningDataModule):
             files = book_files(self.root / folder)
             offsets = [0]
             words = 0
+            ends: list[np.ndarray] = []  # per token of the evaluation splits: words ending there
             with TokenFileWriter(self.token_dir / f"{split}.bin", dtype) as writer:
                 bar = tqdm(total=len(files), desc=f"tokenising pg19 {split}", unit=" books", mininterval=2)
                 for i in range(0, len(files), _ENCODE_BATCH):
-                    texts = [p.read_text(encoding="utf-8") for p in files[i : i + _ENCODE_BATCH]]
+                    texts = [read_book(p) for p in files[i : i + _ENCODE_BATCH]]
                     words += sum(len(t.split()) for t in texts)
-                    for ids in sp.encode(texts, num_threads=os.cpu_count() or 1):
+                    threads = os.cpu_count() or 1
+                    if split == "train":
+                        encoded = sp.encode(texts, num_threads=threads)
+                    else:
+                        protos = sp.encode(texts, return_type="proto", num_threads=threads)
+                        encoded = [[p.id for p in proto.pieces] for proto in protos]
+                        for text, proto in zip(texts, protos):
+                            ends.append(np.concatenate([[0], word_ends(text, proto.pieces)]))  # BOS: none
+                    for ids in encoded:
                         writer.write(np.asarray([sp.bos_id(), *ids, sp.eos_id()], dtype=np.int64))
                         offsets.append(writer.num_tokens)
                     bar.update(len(texts))
                 bar.close()
+            if split != "train":
+                counts = np.concatenate(ends)
+                assert counts.sum() == words and len(counts) == offsets[-1]
+                np.save(
+                    self.token_dir / f"{split}.words.npy", counts.astype(token_dtype(int(counts.max()) + 1))
+                )
             np.save(self.token_dir / f"{split}.offsets.npy", np.asarray(offsets, dtype=np.int64))
             (self.token_dir / f"{split}.books.txt").write_text("".join(f"{p.stem}\n" for p in files))
             num_words[split] = words
         write_json_atomic(
-            meta_path, {"vocab_size": sp.get_piece_size(), "dtype": dtype.name, "num_words": num_words}
+            meta_path,
+            {
+                "format": _CACHE_FORMAT,
+                "vocab_size": sp.get_piece_size(),
+                "dtype": dtype.name,
+                "num_words": num_words,
+            },
         )
 
     # ------------------------------------------------------------------ Lightning
@@ -220,8 +303,12 @@ class PG19DataModule(L.LightningDataModule):
         self.num_words = meta["num_words"]
         dtype = np.dtype(meta["dtype"])
         for split in SPLIT_DIRS:
-            self.streams[split] = TokenStream([self.token_dir / f"{split}.bin"], dtype)
             self.book_offsets[split] = np.load(self.token_dir / f"{split}.offsets.npy")
+            path = self.token_dir / f"{split}.bin"
+            check_token_file(path, dtype, int(self.book_offsets[split][-1]), self.token_dir)
+            self.streams[split] = TokenStream([path], dtype)
+            if split != "train":
+                self.word_ends[split] = np.load(self.token_dir / f"{split}.words.npy", mmap_mode="r")
 
     def train_dataloader(self) -> DataLoader:
         dataset = PackedSequences(self.streams["train"], self.seq_len)
@@ -229,7 +316,8 @@ class PG19DataModule(L.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         offsets = self.book_offsets[split]
-        dataset = StreamSegments(self.streams[split], list(zip(offsets[:-1], offsets[1:])), self.eval_seq_len)
+        documents = list(zip(offsets[:-1], offsets[1:]))
+        dataset = StreamSegments(self.streams[split], documents, self.eval_seq_len, self.word_ends[split])
         return DataLoader(dataset, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

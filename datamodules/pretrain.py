@@ -6,8 +6,20 @@ object per line with the document in ``text_field`` (default ``"text"``). Tokeni
 ``bos_token``/``eos_token``). Each input file is tokenised once into two memory-mapped shards under
 ``<cache_dir>/tokens_<tokenizer hash>/``: ``<key>.train.bin`` and ``<key>.val.bin`` (``uint16`` when the
 vocabulary has at most 65536 ids, else ``uint32``), where ``<key>`` hashes the file's path, size and mtime and
-the split settings, so adding files tokenises only the new ones. A document goes to validation with
-probability ``val_fraction`` (drawn per file from ``val_seed``). Every document is written as ``BOS tokens EOS``.
+the split settings, so adding files tokenises only the new ones (the key only names the cache; it never
+decides the split). Every document is written as ``BOS tokens EOS``.
+
+The held-out set is defined by content alone: a document goes to validation iff
+``u(text) = int(BLAKE2b-64(text as UTF-8, key=str(split_seed))) / 2^64 < val_fraction``. So the same corpus
+gives the same split in any directory, after a copy or ``touch``, in any file order and whatever the
+training ``seed``; identical documents always land in the same split (no exact-duplicate leak between them).
+
+Training batches resume mid-epoch exactly (a :class:`ResumableSampler` order saved in Lightning checkpoints).
+Caches go to ``cache_dir``, else ``<data_dir>/cache/pretrain`` when writable, else a per-user cache
+(:func:`~datamodules.text_lm.resolve_cache_dir`). Bad input raises a :class:`~datamodules.DataError` at
+set-up naming the file and line: not UTF-8, not a JSON object, no ``text_field`` or not a string, a file with
+no documents, a truncated or corrupt ``.gz``; as does a split too small for one sequence (naming
+``data.options.val_fraction``) and a missing tokenizer.
 
 Batches: ``{"input": [B, seq_len] int64, "target": [B, seq_len] int64}``: the concatenation of all shards
 of a split is cut into sequences of ``seq_len + 1`` tokens starting every ``seq_len`` tokens (documents are
@@ -22,6 +34,7 @@ import hashlib
 import itertools
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,12 +43,17 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.errors import DataError
 from datamodules.text_lm import (
+    MissingDataError,
     PackedSequences,
     TokenFileWriter,
     TokenStream,
+    check_token_file,
+    decode_utf8,
     loader_kwargs,
     packed_train_loader,
+    resolve_cache_dir,
     token_dtype,
     write_json_atomic,
 )
@@ -43,6 +61,15 @@ from datamodules.text_lm import (
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|endoftext|>")
 EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|endoftext|>")
 _ENCODE_BATCH = 1024  # documents per call of the tokenizer's multi-threaded batch encoder
+_SHARD_FORMAT = 2  # 2: content-defined split
+
+
+def held_out(text: str, split_seed: int, val_fraction: float) -> bool:
+    """Whether a document belongs to validation: ``BLAKE2b-64(text, key=split_seed) / 2^64 < val_fraction``."""
+    digest = hashlib.blake2b(
+        text.encode("utf-8", "surrogatepass"), digest_size=8, key=str(split_seed).encode()
+    ).digest()
+    return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
 class DocumentTokenizer:
@@ -52,9 +79,9 @@ class DocumentTokenizer:
     def __init__(self, path: str | os.PathLike, bos_token: str | None = None, eos_token: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(
-                f"tokenizer {self.path} does not exist: give a SentencePiece .model or a Hugging Face "
-                "tokenizer.json (e.g. the Llama 2 tokenizer.model the paper used)"
+            raise MissingDataError(
+                f"data.options.tokenizer_path={self.path} does not exist: give a SentencePiece .model or a "
+                "Hugging Face tokenizer.json (e.g. the Llama 2 tokenizer.model the paper used)"
             )
         self.digest = hashlib.sha1(self.path.read_bytes()).hexdigest()[:12]
         if self.path.suffix == ".json":
@@ -77,9 +104,11 @@ class DocumentTokenizer:
     def _sp_special_id(self, given: str | None, default: int, arg: str) -> int:
         token_id = self._sp.piece_to_id(given) if given else default
         if given and self._sp.id_to_piece(token_id) != given:  # piece_to_id answers unk for unknown pieces
-            raise ValueError(f"tokenizer {self.path} has no piece {given!r} (from {arg})")
+            raise DataError(f"tokenizer {self.path} has no piece {given!r} (from data.options.{arg})")
         if token_id < 0:
-            raise ValueError(f"SentencePiece model {self.path} defines no {arg[:3].upper()}; pass {arg}")
+            raise DataError(
+                f"SentencePiece model {self.path} defines no {arg[:3].upper()}; set data.options.{arg}"
+            )
         return token_id
 
     def _special_id(self, given: str | None, names: tuple[str, ...], arg: str) -> int:
@@ -87,8 +116,12 @@ class DocumentTokenizer:
             token_id = self._hf.token_to_id(name)
             if token_id is not None:
                 return token_id
-        wanted = f"{given!r} (from {arg})" if given else f"any of {names}; name its special token with {arg}"
-        raise ValueError(f"tokenizer {self.path} has no token {wanted}")
+        wanted = (
+            f"{given!r} (from data.options.{arg})"
+            if given
+            else f"any of {names}; name its special token with data.options.{arg}"
+        )
+        raise DataError(f"tokenizer {self.path} has no token {wanted}")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self._sp is not None:
@@ -97,15 +130,45 @@ class DocumentTokenizer:
 
 
 def _documents(path: Path, text_field: str) -> Iterator[str]:
+    """The documents of a JSON-lines file (blank lines skipped); a :class:`DataError` naming the file and line
+    for anything else than a JSON object whose ``text_field`` is a string, for a file with no documents and
+    for a truncated or corrupt compressed file."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if text_field not in record:
-                raise ValueError(f"{path}:{number} has no field {text_field!r} (fields: {sorted(record)})")
-            yield record[text_field]
+    count = 0
+    number = 0
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                line = decode_utf8(raw, path, number)
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(
+                        f"{path}:{number} is not a JSON object ({exc.msg}); truncated or corrupt line"
+                    ) from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{number} is not a JSON object but a {type(record).__name__}")
+                if text_field not in record:
+                    raise DataError(
+                        f"{path}:{number} has no field {text_field!r} (fields: {sorted(record)}); set "
+                        "data.options.text_field to the field that holds the document"
+                    )
+                text = record[text_field]
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{path}:{number} field {text_field!r} is a {type(text).__name__}, expected a string"
+                    )
+                count += 1
+                yield text
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise DataError(
+            f"{path} cannot be read past line {number}: {exc}; the file is truncated or corrupt: re-download or "
+            "remove it"
+        ) from None
+    if count == 0:
+        raise DataError(f"{path} holds no documents (an empty file?): expected one JSON object per line")
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -121,7 +184,7 @@ class PretrainDataModule(L.LightningDataModule):
         seq_len: int = 4096,
         patterns: str | list[str] | tuple[str, ...] = ("**/*.jsonl", "**/*.jsonl.gz"),
         val_fraction: float = 0.001,
-        val_seed: int = 0,
+        split_seed: int = 0,
         text_field: str = "text",
         bos_token: str | None = None,
         eos_token: str | None = None,
@@ -133,30 +196,33 @@ class PretrainDataModule(L.LightningDataModule):
             data_dir: folder the glob ``patterns`` are relative to (absolute patterns are allowed too).
             tokenizer_path: SentencePiece ``.model`` or Hugging Face ``tokenizer.json``.
             batch_size: training sequences per batch (per device).
-            seed: seeds the training order (resumable mid-epoch).
+            seed: seeds the training order (resumable mid-epoch); never the split.
             seq_len: tokens per training sequence (the paper's 7B: 32768).
             patterns: glob pattern(s) of input files; only ``.jsonl`` / ``.jsonl.gz`` matches are read.
-            val_fraction: probability that a document is held out for validation, in (0, 1).
-            val_seed: seeds which documents are held out (part of the shard key: changing it re-tokenises).
+            val_fraction: the fraction of documents held out for validation, in (0, 1) (chosen by content
+                hash, see the module docstring).
+            split_seed: keys the content hash that picks the held-out documents (part of the shard key:
+                changing it re-tokenises).
             text_field: JSON field that holds a document.
             bos_token, eos_token: special tokens of a Hugging Face tokenizer whose names are not the usual ones.
             eval_batch_size: validation batch size (default ``batch_size``).
-            cache_dir: token shards (default ``<data_dir>/cache/pretrain``).
+            cache_dir: token shards (default ``<data_dir>/cache/pretrain``, or a per-user cache when the data
+                directory is read-only).
         """
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+            raise DataError(f"data.options.val_fraction must be in (0, 1), got {val_fraction}")
         self.data_dir = Path(data_dir)
         self.tokenizer_path = tokenizer_path
         self.patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache" / "pretrain"
+        self.cache_dir = resolve_cache_dir(self.data_dir, "pretrain", cache_dir)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.seed = seed
         self.seq_len = seq_len
         self.val_fraction = val_fraction
-        self.val_seed = val_seed
+        self.split_seed = split_seed
         self.text_field = text_field
         self.special_tokens = (bos_token, eos_token)
         self._tokenizer: DocumentTokenizer | None = None
@@ -186,7 +252,7 @@ class PretrainDataModule(L.LightningDataModule):
                 if path.is_file() and (path.name.endswith(".jsonl") or path.name.endswith(".jsonl.gz")):
                     found.add(path.resolve())
         if not found:
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"no pretraining files: nothing matches {self.patterns} under {self.data_dir}. Expected JSON "
                 f"lines files (.jsonl or .jsonl.gz) with one document per line in the field {self.text_field!r}."
             )
@@ -195,7 +261,8 @@ class PretrainDataModule(L.LightningDataModule):
     def _shard_key(self, path: Path) -> str:
         stat = path.stat()
         ident = (
-            f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{self.val_fraction}|{self.val_seed}|{self.text_field}"
+            f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{self.val_fraction}|{self.split_seed}|{self.text_field}"
+            f"|{_SHARD_FORMAT}"
         )
         return f"{path.name.split('.')[0][:40]}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
 
@@ -211,9 +278,6 @@ class PretrainDataModule(L.LightningDataModule):
         bar = tqdm(desc="tokenising pretraining corpus", unit=" docs", mininterval=2)
         for path in todo:
             key = self._shard_key(path)
-            # One generator per file, keyed by the file's identity: a document's split does not depend on
-            # which other files are present or in what order they are processed.
-            rng = np.random.default_rng([self.val_seed, int(key.rsplit("-", 1)[1], 16)])
             counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
             with (
                 TokenFileWriter(self.token_dir / f"{key}.train.bin", dtype) as train,
@@ -226,8 +290,8 @@ class PretrainDataModule(L.LightningDataModule):
                         batch.append(text)
                     if len(batch) < _ENCODE_BATCH and text is not None:
                         continue
-                    held_out = rng.random(len(batch)) < self.val_fraction
-                    for ids, is_val in zip(tok.encode_batch(batch), held_out):
+                    held = [held_out(text, self.split_seed, self.val_fraction) for text in batch]
+                    for ids, is_val in zip(tok.encode_batch(batch), held):
                         split = "val" if is_val else "train"
                         writers[split].write(np.asarray([tok.bos_id, *ids, tok.eos_id], dtype=np.int64))
                         counts[split][0] += 1
@@ -251,12 +315,18 @@ class PretrainDataModule(L.LightningDataModule):
         self.prepare_data()
         keys = [self._shard_key(p) for p in self.input_files()]
         dtype = token_dtype(self.tokenizer.vocab_size)
+        for key in keys:
+            meta = json.loads((self.token_dir / f"{key}.json").read_text())
+            for split in ("train", "val"):
+                path = self.token_dir / f"{key}.{split}.bin"
+                check_token_file(path, dtype, meta["tokens"][split], path.with_suffix("").with_suffix(".*"))
         for split in ("train", "val"):
             self.streams[split] = TokenStream([self.token_dir / f"{k}.{split}.bin" for k in keys], dtype)
             if len(self.streams[split]) < self.seq_len + 1:
-                raise ValueError(
+                raise DataError(
                     f"the {split} split holds {len(self.streams[split])} tokens, fewer than one sequence of "
-                    f"seq_len + 1 = {self.seq_len + 1}; add data or change val_fraction ({self.val_fraction})"
+                    f"data.options.seq_len + 1 = {self.seq_len + 1}: add data, raise or lower "
+                    f"data.options.val_fraction (now {self.val_fraction}) or lower data.options.seq_len"
                 )
 
     def train_dataloader(self) -> DataLoader:

@@ -10,9 +10,14 @@ path, never the mapped data).
 Batches (all ``int64``):
 
 - training: ``{"input": [B, L], "target": [B, L]}`` with ``target[:, i] = stream[start + i + 1]``;
-- streaming evaluation: ``{"input": [1, S], "target": [1, S], "first_segment": [1] bool}``, consecutive
-  segments of one document (or of a whole split for WikiText-103); ``first_segment`` is True where the model
-  must reset its streaming cache (SPEC §7) before the segment.
+- streaming evaluation: ``{"input": [1, S], "target": [1, S], "first_segment": [1] bool, "words": [1]}``,
+  consecutive segments of one document (or of a whole split for WikiText-103); ``first_segment`` is True where
+  the model must reset its streaming cache (SPEC §7) before the segment; ``words`` (when the data set defines
+  words) is the number of words the segment *completes*: words whose last token is one of its targets. Summed
+  over any prefix of the segments it is exactly the number of words of the scored text, so word perplexity
+  ``exp(sum NLL / sum words)`` stays right when evaluation stops early (``limit_val_batches``): a document
+  cut mid-way counts the words of its scored part, a word cut mid-way is counted with the segment that
+  scores its last token.
 
 Every target is a real token (no ``-100`` padding): packing leaves no gaps, and a short last segment is simply
 shorter.
@@ -20,7 +25,9 @@ shorter.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -31,6 +38,64 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from datamodules.common import ResumableDataLoader, ResumableSampler
+from datamodules.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+class MissingDataError(DataError, FileNotFoundError):
+    """A data set, tokenizer or file that is not where the configuration says (also a FileNotFoundError)."""
+
+
+def resolve_cache_dir(data_dir: str | os.PathLike, name: str, cache_dir: str | os.PathLike | None) -> Path:
+    """Where a data module writes its caches (tokenizers, token files).
+
+    ``cache_dir`` (``data.options.cache_dir``) when given; else ``<data_dir>/cache/<name>`` when that can be
+    written; else (a read-only data set mount) ``$XDG_CACHE_HOME/mega_suite/<h>/<name>`` (``~/.cache`` when
+    unset), ``h`` = first 12 hex digits of SHA-1 of the resolved ``data_dir``, so each data directory gets its
+    own cache. The fallback is logged.
+    """
+    if cache_dir:
+        return Path(cache_dir)
+    default = Path(data_dir) / "cache" / name
+    probe = default
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if os.access(probe, os.W_OK | os.X_OK):
+        return default
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    fallback = base / "mega_suite" / digest / name
+    log.warning(
+        "%s is not writable: caching %s data in %s (set data.options.cache_dir to choose)",
+        probe,
+        name,
+        fallback,
+    )
+    return fallback
+
+
+def decode_utf8(raw: bytes, path: str | os.PathLike, line: int | None = None) -> str:
+    """``raw`` decoded as UTF-8, or a :class:`DataError` naming the file, line and offending byte offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1 if line is None else line
+        where = f"{path}:{line}"
+        raise DataError(
+            f"{where} is not valid UTF-8 (byte {raw[exc.start : exc.start + 1]!r} at offset {exc.start}); "
+            "the file is corrupt or in another encoding: re-download it or convert it to UTF-8"
+        ) from None
+
+
+def check_token_file(path: Path, dtype: np.dtype, expected: int, rebuild: Path) -> None:
+    """A cached token file must hold ``expected`` tokens; otherwise it is truncated or from another build."""
+    size = path.stat().st_size if path.is_file() else -1
+    if size != expected * np.dtype(dtype).itemsize:
+        raise DataError(
+            f"cached token file {path} holds {size} bytes, expected {expected} {np.dtype(dtype).name} tokens "
+            f"({expected * np.dtype(dtype).itemsize} bytes): it is truncated or stale; delete {rebuild} to rebuild"
+        )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -151,15 +216,15 @@ class PackedSequences(Dataset):
         return {"input": tokens[:-1], "target": tokens[1:]}
 
 
-class VariableLengthBatches(IterableDataset):
-    """Whole training batches whose length is a random multiple of ``chunk_size``: each batch draws
-    ``k ~ U{min_chunks..max_chunks}`` and reads ``batch_size`` windows of ``k * chunk_size + 1`` tokens at
-    uniform random positions of the stream (Mega's WikiText-103 recipe trains on 2–6 chunks).
+class VariableLengthBatches(Dataset):
+    """Whole training batches whose length is a random multiple of ``chunk_size``: batch ``i`` of epoch ``e``
+    draws ``k ~ U{min_chunks..max_chunks}`` and ``batch_size`` window starts, uniform over the stream, from
+    ``numpy.random.default_rng([seed, e, i])``, and reads windows of ``k * chunk_size + 1`` tokens (Mega's
+    WikiText-103 recipe trains on 2–6 chunks).
 
-    Use with ``DataLoader(dataset, batch_size=None)``. Each rank yields ``num_batches`` batches per epoch,
-    split among the loader's workers; randomness is drawn from torch's global generator at the start of each
-    epoch (seeded by ``seed_everything``, and per worker by the DataLoader), mixed with ``seed`` and ``rank``
-    so that ranks differ.
+    A map-style data set keyed by ``(epoch, i)``: a batch depends on nothing else (not on the global
+    generator, the worker or the rank), so :func:`variable_length_loader` resumes it mid-epoch exactly.
+    ``num_batches`` is the epoch's total over all ranks.
     """
 
     def __init__(
@@ -171,13 +236,13 @@ class VariableLengthBatches(IterableDataset):
         max_chunks: int,
         num_batches: int,
         seed: int = 0,
-        rank: int = 0,
     ):
         if not 1 <= min_chunks <= max_chunks:
             raise ValueError(f"need 1 <= min_chunks <= max_chunks, got {min_chunks}, {max_chunks}")
         if max_chunks * chunk_size + 1 > len(stream):
-            raise ValueError(
-                f"max_chunks * chunk_size = {max_chunks * chunk_size} does not fit a stream of {len(stream)}"
+            raise DataError(
+                f"data.options.max_chunks * chunk_size = {max_chunks * chunk_size} tokens do not fit the training "
+                f"stream of {len(stream)} tokens: lower data.options.max_chunks or chunk_size"
             )
         self.stream = stream
         self.batch_size = batch_size
@@ -186,22 +251,35 @@ class VariableLengthBatches(IterableDataset):
         self.max_chunks = max_chunks
         self.num_batches = num_batches
         self.seed = seed
-        self.rank = rank
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        info = get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        count = self.num_batches // workers + (worker < self.num_batches % workers)
-        draw = int(torch.randint(0, 2**62, ()).item())
-        rng = np.random.default_rng([self.seed, self.rank, worker, draw])
-        for _ in range(count):
-            length = int(rng.integers(self.min_chunks, self.max_chunks + 1)) * self.chunk_size
-            starts = rng.integers(0, len(self.stream) - length, size=self.batch_size)
-            tokens = torch.from_numpy(np.stack([self.stream.read(s, s + length + 1) for s in starts]))
-            yield {"input": tokens[:, :-1], "target": tokens[:, 1:]}
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, index = key
+        rng = np.random.default_rng([self.seed, epoch, index])
+        length = int(rng.integers(self.min_chunks, self.max_chunks + 1)) * self.chunk_size
+        starts = rng.integers(0, len(self.stream) - length, size=self.batch_size)
+        tokens = torch.from_numpy(np.stack([self.stream.read(s, s + length + 1) for s in starts]))
+        return {"input": tokens[:, :-1], "target": tokens[:, 1:]}
+
+
+class _EpochKeySampler(ResumableSampler):
+    """A :class:`ResumableSampler` (in order, split across ranks) that yields ``(epoch, index)`` keys."""
+
+    def indices(self, epoch: int) -> list[tuple[int, int]]:
+        return [(epoch, i) for i in super().indices(epoch)]
+
+
+def _single(items: list):
+    return items[0]
+
+
+def variable_length_loader(dataset: VariableLengthBatches, num_workers: int) -> ResumableDataLoader:
+    """Loader of :class:`VariableLengthBatches` whose position (epoch, batches yielded) is saved in Lightning
+    checkpoints, so a run resumes mid-epoch with exactly the batches the uninterrupted run would see."""
+    sampler = _EpochKeySampler(len(dataset), seed=dataset.seed, shuffle=False)
+    return ResumableDataLoader(dataset, 1, sampler, collate_fn=_single, **loader_kwargs(num_workers))
 
 
 def mean_batches_per_epoch(num_tokens: int, batch_size: int, mean_len: float, world_size: int) -> int:
@@ -218,14 +296,27 @@ class StreamSegments(IterableDataset):
     ``first_segment = True``. Iterable, so that Lightning never splits or reorders it across ranks: every
     rank evaluates the whole split, and per-split totals are rank-local. Use with ``DataLoader(dataset,
     batch_size=None, num_workers=0)``.
+
+    ``word_ends`` (optional, one entry per stream position): how many words end at that token (the token that
+    holds a word's last character). A segment with targets at positions ``[a + 1, b]`` then carries
+    ``words = sum(word_ends[a + 1 : b + 1])``, the words it completes (see the module docstring).
     """
 
-    def __init__(self, stream: TokenStream, documents: Sequence[tuple[int, int]], segment_len: int):
+    def __init__(
+        self,
+        stream: TokenStream,
+        documents: Sequence[tuple[int, int]],
+        segment_len: int,
+        word_ends: np.ndarray | None = None,
+    ):
         if segment_len < 1:
             raise ValueError(f"segment_len must be positive, got {segment_len}")
+        if word_ends is not None and len(word_ends) != len(stream):
+            raise ValueError(f"word_ends has {len(word_ends)} entries for a stream of {len(stream)} tokens")
         self.stream = stream
         self.documents = [(int(a), int(b)) for a, b in documents if b - a >= 2]
         self.segment_len = segment_len
+        self.word_ends = word_ends
 
     def __len__(self) -> int:
         return sum(math.ceil((b - a - 1) / self.segment_len) for a, b in self.documents)
@@ -242,11 +333,14 @@ class StreamSegments(IterableDataset):
             for a in range(start, stop - 1, self.segment_len):
                 b = min(a + self.segment_len, stop - 1)
                 tokens = torch.from_numpy(self.stream.read(a, b + 1))
-                yield {
+                segment = {
                     "input": tokens[None, :-1],
                     "target": tokens[None, 1:],
                     "first_segment": torch.tensor([a == start]),
                 }
+                if self.word_ends is not None:
+                    segment["words"] = torch.tensor([int(self.word_ends[a + 1 : b + 1].sum())])
+                yield segment
 
 
 def loader_kwargs(num_workers: int) -> dict:

@@ -13,8 +13,15 @@ the training stream, shuffled), or, when ``min_chunks``/``max_chunks`` are given
 stream, fed in order with batch size 1 as consecutive segments ``{"input": [1, S], "target": [1, S],
 "first_segment": [1] bool}`` (True only for the first segment), so the model carries its streaming cache
 across segments. The stream starts with an ``<eos>`` as context, so the targets are exactly the split's
-tokens and ``num_words[split]`` (= its token count, ``<eos>`` included) is the perplexity denominator:
-``ppl = exp(total NLL / num_words)``.
+tokens; every token is a word (``<eos>`` included, as is usual for WikiText-103), so each segment's ``words``
+is its target count and ``ppl = exp(NLL of the scored tokens / number of scored tokens)`` for the whole split
+(``num_words[split]`` = its token count) or any prefix of it.
+
+Training batches resume mid-epoch exactly (fixed length: a :class:`ResumableSampler` order; variable length:
+each batch drawn from ``(seed, epoch, batch index)``), their position saved in Lightning checkpoints.
+Caches go to ``cache_dir``, else ``<data_dir>/cache/wikitext-103`` when writable, else a per-user cache
+(:func:`~datamodules.text_lm.resolve_cache_dir`). Unreadable input (not UTF-8, an empty split file) raises a
+:class:`~datamodules.DataError` naming the file at set-up.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -29,17 +37,22 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.errors import DataError
 from datamodules.text_lm import (
+    MissingDataError,
     PackedSequences,
     StreamSegments,
     TokenFileWriter,
     TokenStream,
     VariableLengthBatches,
-    loader_kwargs,
+    check_token_file,
+    decode_utf8,
     mean_batches_per_epoch,
     packed_train_loader,
+    resolve_cache_dir,
     token_dtype,
     trainer_rank,
+    variable_length_loader,
     write_json_atomic,
 )
 
@@ -49,14 +62,30 @@ SPLIT_FILES = {"train": "wiki.train.tokens", "val": "wiki.valid.tokens", "test":
 SOURCE = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip (or Hugging Face Salesforce/wikitext)"
 
 
+def read_lines(path: str | os.PathLike, desc: str) -> Iterator[str]:
+    """The lines of a WikiText-103 split file; a :class:`DataError` naming the file (and line) when it is empty
+    or not UTF-8."""
+    if os.path.getsize(path) == 0:
+        raise DataError(
+            f"{path} is empty: expected WikiText-103 text (one paragraph per line); re-download it"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield from tqdm(f, desc=desc, unit=" lines", mininterval=2)
+    except UnicodeDecodeError:
+        with open(path, "rb") as f:  # find the line for the message
+            for number, raw in enumerate(f, 1):
+                decode_utf8(raw, path, number)
+        raise
+
+
 def build_vocabulary(train_file: str | os.PathLike) -> list[tuple[str, int]]:
     """``(word, count)`` for every word of the training file plus ``<eos>`` (one per line), by count
     descending then alphabetically; ``<unk>`` is appended with count 0 if the file never uses it."""
     counts: Counter[str] = Counter()
-    with open(train_file, encoding="utf-8") as f:
-        for line in tqdm(f, desc="wikitext-103 vocabulary", unit=" lines", mininterval=2):
-            counts.update(line.split())
-            counts[EOS] += 1
+    for line in read_lines(train_file, "wikitext-103 vocabulary"):
+        counts.update(line.split())
+        counts[EOS] += 1
     counts.setdefault(UNK, 0)
     return sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))
 
@@ -86,7 +115,8 @@ class WikiText103DataModule(L.LightningDataModule):
             eval_seq_len: evaluation segment length (default ``seq_len``).
             chunk_size, min_chunks, max_chunks: when both chunk counts are given, each training batch has
                 length ``k * chunk_size`` with ``k`` uniform in ``[min_chunks, max_chunks]`` (``seq_len`` unused).
-            cache_dir: where the vocabulary and token files go (default ``<data_dir>/cache/wikitext-103``).
+            cache_dir: where the vocabulary and token files go (default ``<data_dir>/cache/wikitext-103``, or a
+                per-user cache when the data directory is read-only).
         """
         super().__init__()
         variable = min_chunks is not None or max_chunks is not None
@@ -97,7 +127,7 @@ class WikiText103DataModule(L.LightningDataModule):
             )
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "wikitext-103"
-        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache" / "wikitext-103"
+        self.cache_dir = resolve_cache_dir(self.data_dir, "wikitext-103", cache_dir)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -113,7 +143,7 @@ class WikiText103DataModule(L.LightningDataModule):
     def _check_layout(self) -> None:
         missing = [name for name in SPLIT_FILES.values() if not (self.root / name).is_file()]
         if missing:
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"WikiText-103 not found: missing {', '.join(str(self.root / m) for m in missing)}. Expected "
                 f"{self.root}/wiki.{{train,valid,test}}.tokens (word level, 'wikitext-103' not the raw "
                 f"variant). Get it from {SOURCE} and unpack it into {self.data_dir}."
@@ -134,12 +164,9 @@ class WikiText103DataModule(L.LightningDataModule):
         dtype = token_dtype(len(vocab))
         num_words = {}
         for split, name in SPLIT_FILES.items():
-            with (
-                TokenFileWriter(self._token_file(split), dtype) as writer,
-                open(self.root / name, encoding="utf-8") as f,
-            ):
+            with TokenFileWriter(self._token_file(split), dtype) as writer:
                 buffer: list[int] = []
-                for line in tqdm(f, desc=f"tokenising wikitext-103 {split}", unit=" lines", mininterval=2):
+                for line in read_lines(self.root / name, f"tokenising wikitext-103 {split}"):
                     buffer.extend(index.get(word, unk) for word in line.split())
                     buffer.append(eos)
                     if len(buffer) > 1 << 20:
@@ -179,6 +206,8 @@ class WikiText103DataModule(L.LightningDataModule):
         meta = json.loads((self.cache_dir / "meta.json").read_text())
         self.num_words = meta["num_words"]
         dtype = np.dtype(meta["dtype"])
+        for split in SPLIT_FILES:
+            check_token_file(self._token_file(split), dtype, self.num_words[split], self.cache_dir)
         self.streams = {split: TokenStream([self._token_file(split)], dtype) for split in SPLIT_FILES}
 
     def train_dataloader(self) -> DataLoader:
@@ -187,21 +216,23 @@ class WikiText103DataModule(L.LightningDataModule):
             return packed_train_loader(
                 PackedSequences(stream, self.seq_len), self.batch_size, self.num_workers, self.seed
             )
-        rank, world_size = trainer_rank(self)
+        _, world_size = trainer_rank(self)
         lo, hi = self.chunks
-        num_batches = mean_batches_per_epoch(
+        per_rank = mean_batches_per_epoch(
             len(stream), self.batch_size, (lo + hi) / 2 * self.chunk_size, world_size
         )
         dataset = VariableLengthBatches(
-            stream, self.batch_size, self.chunk_size, lo, hi, num_batches, seed=self.seed, rank=rank
+            stream, self.batch_size, self.chunk_size, lo, hi, per_rank * world_size, seed=self.seed
         )
-        return DataLoader(dataset, batch_size=None, **loader_kwargs(self.num_workers))
+        return variable_length_loader(dataset, self.num_workers)
 
     def _eval_loader(self, split: str) -> DataLoader:
         # A leading <eos> (the end of the "previous line") is the context of token 0, so that every token of
         # the split is a target and the targets number exactly num_words[split].
         stream = _PrefixedStream(self.streams[split], self.eos_id)
-        dataset = StreamSegments(stream, [(0, len(stream))], self.eval_seq_len)
+        word_ends = np.ones(len(stream), dtype=np.uint8)  # every token is a word ...
+        word_ends[0] = 0  # ... but the leading context <eos> is not scored
+        dataset = StreamSegments(stream, [(0, len(stream))], self.eval_seq_len, word_ends=word_ends)
         return DataLoader(dataset, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

@@ -157,8 +157,11 @@ class CausalLM(MegalodonModule):
     Training batches are {"input", "target"} [B, L]. Evaluation batches that carry "first_segment" are
     consecutive segments of one stream (batch size 1): the streaming cache is carried across them and reset
     at each document's first segment, so every token is scored with its whole document as context, in
-    bounded memory. Word-level perplexity = exp(total NLL / num_words[split]) when the data module gives
-    ``num_words`` (WikiText-103, PG19), else token-level.
+    bounded memory. Word-level perplexity (WikiText-103, PG19) = exp(NLL of the scored targets / words of
+    the scored text): each segment carries ``words``, the number of words whose last token is one of its
+    targets, so the ratio is right for a whole split and for any prefix of it (``limit_val_batches``); a
+    document cut mid-way counts the words of its scored part. Loaders without ``words`` report token-level
+    perplexity only.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -199,13 +202,14 @@ class CausalLM(MegalodonModule):
             hidden, _ = self.model.forward_hidden(batch["input"])
         nll = self.model.token_nll(hidden, target).sum()
         # Streaming loaders are iterable and not split across ranks: every rank scores the whole split.
-        totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch])
+        totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch, None])
         totals[0] += float(nll)
         totals[1] += int((target != -100).sum())
+        if "words" in batch:
+            totals[3] = (totals[3] or 0) + int(batch["words"].sum())
 
     def _log_totals(self) -> None:
-        num_words = getattr(self.trainer.datamodule, "num_words", None) or {}
-        for idx, (nll, count, streaming) in sorted(self._totals.items()):
+        for idx, (nll, count, streaming, words) in sorted(self._totals.items()):
             stage = STAGES[idx]
             total = torch.tensor([nll, float(count)], dtype=torch.float64, device=self.device)
             if self.trainer.world_size > 1 and not streaming:
@@ -214,7 +218,6 @@ class CausalLM(MegalodonModule):
             loss = nll_sum / tokens
             self.log(f"{stage}/loss", loss, prog_bar=stage == "val", rank_zero_only=True)
             self.log(f"{stage}/ppl", math.exp(min(loss, 30.0)), rank_zero_only=True)
-            words = num_words.get(stage)
             if words:
                 self.log(f"{stage}/word_ppl", math.exp(min(nll_sum / words, 30.0)), rank_zero_only=True)
 

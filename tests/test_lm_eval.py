@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -95,3 +96,131 @@ def test_eval_context_scores_every_token_once_and_reports(pg19_dm, tmp_path):
     assert rows[0]["nll"] != pytest.approx(full, rel=1e-5)  # short windows lose context
     table, plot = write_report(rows, tmp_path)
     assert "word ppl" in table.read_text() and plot.stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------- partial validation
+def _validate_limited(module, dm, limit) -> dict[str, float]:
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        limit_val_batches=limit)  # fmt: skip
+    out = trainer.validate(module, datamodule=ValWithTest(dm), verbose=False)
+    return {k: float(v) for d in out for k, v in d.items()}
+
+
+def _complete_words(sp, text: str, scored: int) -> int:
+    """Words of ``text`` whose last character lies in the first ``scored`` targets of its book (BOS is context,
+    so targets are its pieces then EOS): counted from the decoded prefix, independently of the data module."""
+    ids = sp.encode(text)
+    if scored >= len(ids):
+        return len(text.split())
+    full = " ".join(text.split())
+    prefix = sp.decode(ids[:scored]).rstrip()
+    assert full.startswith(prefix)
+    words = len(prefix.split())
+    if prefix and len(prefix) < len(full) and not full[len(prefix)].isspace():
+        words -= 1  # the prefix ends inside a word
+    return words
+
+
+@pytest.fixture(scope="module")
+def wt103_dm(tmp_path_factory):
+    from modality_fixtures import write_wikitext
+
+    from datamodules.wikitext import WikiText103DataModule
+
+    root = tmp_path_factory.mktemp("wteval")
+    lines = write_wikitext(root)
+    dm = WikiText103DataModule(str(root), batch_size=2, seq_len=16, eval_seq_len=5)
+    dm.setup("validate")
+    return dm, lines
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5])
+def test_pg19_partial_validation_counts_the_words_of_scored_text(pg19_dm, limit):
+    """Uniform model, first ``limit`` segments: word ppl = exp(T log V / W) with T the scored targets and W the
+    words completed by them, counted from the decoded text of each book's scored prefix."""
+    dm, texts = pg19_dm
+    vocab = dm.vocab_size
+    module = _module(vocab)
+    module.model.token_nll = lambda hidden, target: (target != -100).to(torch.float32) * math.log(vocab)
+    metrics = _validate_limited(module, dm, limit)
+    for stage, split in (("val", "validation"), ("test", "test")):
+        loader = dm.val_dataloader() if stage == "val" else dm.test_dataloader()
+        segments = list(loader)[:limit]
+        per_book: list[int] = []
+        for s in segments:
+            if s["first_segment"].item():
+                per_book.append(0)
+            per_book[-1] += s["target"].shape[1]
+        books = sorted(texts[split], key=int)
+        words = sum(_complete_words(dm.tokenizer, texts[split][b], n) for b, n in zip(books, per_book))
+        tokens = sum(per_book)
+        assert 0 < words < dm.num_words[stage]
+        assert metrics[f"{stage}/word_ppl"] == pytest.approx(
+            math.exp(tokens * math.log(vocab) / words), rel=1e-6
+        )
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_wt103_partial_validation_counts_the_words_of_scored_text(wt103_dm, limit):
+    """WikiText-103 tokens are words (``<eos>`` included): the scored words are the first ``limit * S`` words of
+    the split, so a uniform model's word ppl is exactly V."""
+    dm, lines = wt103_dm
+    vocab = dm.vocab_size
+    module = _module(vocab)
+    module.model.token_nll = lambda hidden, target: (target != -100).to(torch.float32) * math.log(vocab)
+    metrics = _validate_limited(module, dm, limit)
+    for stage, key in (("val", "valid"), ("test", "test")):
+        words = [w for line in lines[key] for w in [*line.split(), "<eos>"]][: limit * 5]
+        assert len(words) == limit * 5 < dm.num_words[stage]
+        assert metrics[f"{stage}/word_ppl"] == pytest.approx(vocab, rel=1e-6)
+        assert metrics[f"{stage}/ppl"] == pytest.approx(vocab, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_pg19_small_recipe_limited_validation_is_consistent_with_full(tmp_path):
+    """``recipe=pg19_small`` trained two steps, validated in full and with ``limit_val_batches=2`` from the same
+    checkpoint: the limited word ppl is exp(NLL of the scored segments / words they complete) and of the
+    same size as the full one (it used to be 1.75 against 348,982)."""
+    from omegaconf import OmegaConf
+
+    from mega_suite.lightning import build_module
+    from mega_suite.runner import build_datamodule, model_config_for, run
+    from mega_suite.settings import load_config
+
+    data = tmp_path / "data"
+    texts = write_pg19(data)
+    small = [
+        "recipe=pg19_small", f"run_root={tmp_path / 'runs'}", f"data.data_dir={data}", "model.num_layers=1",
+        "model.model_dim=16", "model.z_dim=8", "model.value_dim=16", "model.ffn_hidden_dim=16",
+        "model.norm_num_groups=4", "model.cema_ndim=4", "model.chunk_size=16", "data.num_workers=0",
+        "data.options.seq_len=32", "data.options.vocab_size=300", "data.options.eval_seq_len=32",
+        "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.progress_bar=false",
+        "trainer.accelerator=cpu", "trainer.devices=1", "optim.warmup_steps=0", "optim.lr=0.05",
+    ]  # fmt: skip
+    fit = run(load_config([*small, "trainer.limit_val_batches=1.0", "trainer.limit_test_batches=1.0"]))
+    ckpt = Path(fit["run_dir"]) / "checkpoints" / "last.ckpt"
+    full = run(load_config([*small, "mode=validate", f"ckpt={ckpt}", "trainer.limit_val_batches=1.0"]))
+    part = run(load_config([*small, "mode=validate", f"ckpt={ckpt}", "trainer.limit_val_batches=2"]))
+
+    cfg = load_config(small)
+    dm = build_datamodule(cfg)
+    dm.setup("validate")
+    module = build_module(
+        "lm", model_config_for(cfg, dm), optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        trainer=OmegaConf.to_container(cfg.trainer, resolve=True), total_steps=2,
+    )  # fmt: skip
+    module.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"])
+    module.eval()
+    nll, per_book, cache = 0.0, [], None
+    with torch.no_grad():
+        for s in list(dm.val_dataloader())[:2]:
+            if s["first_segment"].item():
+                cache, _ = None, per_book.append(0)
+            hidden, cache = module.model.forward_hidden(s["input"], cache, use_cache=True)
+            nll += float(module.model.token_nll(hidden, s["target"]).sum())
+            per_book[-1] += s["target"].shape[1]
+    books = sorted(texts["validation"], key=int)
+    words = sum(_complete_words(dm.tokenizer, texts["validation"][b], n) for b, n in zip(books, per_book))
+    assert part["val/word_ppl"] == pytest.approx(math.exp(nll / words), rel=1e-4)
+    assert 0.5 < part["val/word_ppl"] / full["val/word_ppl"] < 2.0

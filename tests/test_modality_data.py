@@ -497,7 +497,7 @@ def test_pretrain_packs_documents_with_bos_eos(corpus, kind, tmp_path):
         batch_size=2,
         seq_len=16,
         val_fraction=0.3,
-        val_seed=1,
+        split_seed=1,
         cache_dir=str(tmp_path),
     )
     dm.setup("fit")
@@ -525,14 +525,14 @@ def test_pretrain_shards_reused_and_split_is_seeded(corpus, tmp_path, monkeypatc
     from datamodules.pretrain import DocumentTokenizer, PretrainDataModule
 
     kwargs = dict(batch_size=2, seq_len=8, val_fraction=0.3, cache_dir=str(tmp_path))
-    dm = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), val_seed=5, **kwargs)
+    dm = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), split_seed=5, **kwargs)
     dm.setup("fit")
     monkeypatch.setattr(DocumentTokenizer, "encode_batch", _fail)
-    again = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), val_seed=5, **kwargs)
+    again = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), split_seed=5, **kwargs)
     again.setup("fit")
     assert len(again.streams["val"]) == len(dm.streams["val"])
     monkeypatch.undo()
-    other = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), val_seed=6, **kwargs)
+    other = PretrainDataModule(str(corpus["data_dir"]), str(corpus["hf"]), split_seed=6, **kwargs)
     other.setup("fit")
     assert len(other.streams["val"]) != len(dm.streams["val"])
 
