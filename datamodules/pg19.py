@@ -23,7 +23,7 @@ mid-way counts the words of its scored part); ``num_words[split]`` is the whole 
 Training batches resume mid-epoch exactly (a :class:`ResumableSampler` order saved in Lightning
 checkpoints). The trained tokenizer samples its sentences with a fixed seed, not the training ``seed``, so
 every run of a study shares it. Caches go to ``cache_dir``, else ``<data_dir>/cache/pg19`` when writable,
-else a per-user cache (:func:`~datamodules.text_lm.resolve_cache_dir`). A book that is empty or not UTF-8,
+else a per-user cache (:func:`~datamodules.common.cache_dir_for`). A book that is empty or not UTF-8,
 an empty split folder or a missing tokenizer raises a :class:`~datamodules.DataError` at set-up.
 """
 
@@ -41,6 +41,7 @@ import sentencepiece as spm
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.common import cache_dir_for
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -51,7 +52,6 @@ from datamodules.text_lm import (
     check_token_file,
     decode_utf8,
     packed_train_loader,
-    resolve_cache_dir,
     token_dtype,
     write_json_atomic,
 )
@@ -130,7 +130,7 @@ class PG19DataModule(L.LightningDataModule):
         super().__init__()
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "pg19"
-        self.cache_dir = resolve_cache_dir(self.data_dir, "pg19", cache_dir)
+        self.cache_dir = cache_dir_for(self.data_dir, "pg19", cache_dir or None)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed

@@ -16,7 +16,7 @@ training ``seed``; identical documents always land in the same split (no exact-d
 
 Training batches resume mid-epoch exactly (a :class:`ResumableSampler` order saved in Lightning checkpoints).
 Caches go to ``cache_dir``, else ``<data_dir>/cache/pretrain`` when writable, else a per-user cache
-(:func:`~datamodules.text_lm.resolve_cache_dir`). Bad input raises a :class:`~datamodules.DataError` at
+(:func:`~datamodules.common.cache_dir_for`). Bad input raises a :class:`~datamodules.DataError` at
 set-up naming the file and line: not UTF-8, not a JSON object, no ``text_field`` or not a string, a file with
 no documents, a truncated or corrupt ``.gz``; as does a split too small for one sequence (naming
 ``data.options.val_fraction``) and a missing tokenizer.
@@ -43,6 +43,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.common import cache_dir_for
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -53,7 +54,6 @@ from datamodules.text_lm import (
     decode_utf8,
     loader_kwargs,
     packed_train_loader,
-    resolve_cache_dir,
     token_dtype,
     write_json_atomic,
 )
@@ -215,7 +215,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.data_dir = Path(data_dir)
         self.tokenizer_path = tokenizer_path
         self.patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        self.cache_dir = resolve_cache_dir(self.data_dir, "pretrain", cache_dir)
+        self.cache_dir = cache_dir_for(self.data_dir, "pretrain", cache_dir or None)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers

@@ -25,7 +25,6 @@ shorter.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -45,34 +44,6 @@ log = logging.getLogger(__name__)
 
 class MissingDataError(DataError, FileNotFoundError):
     """A data set, tokenizer or file that is not where the configuration says (also a FileNotFoundError)."""
-
-
-def resolve_cache_dir(data_dir: str | os.PathLike, name: str, cache_dir: str | os.PathLike | None) -> Path:
-    """Where a data module writes its caches (tokenizers, token files).
-
-    ``cache_dir`` (``data.options.cache_dir``) when given; else ``<data_dir>/cache/<name>`` when that can be
-    written; else (a read-only data set mount) ``$XDG_CACHE_HOME/mega_suite/<h>/<name>`` (``~/.cache`` when
-    unset), ``h`` = first 12 hex digits of SHA-1 of the resolved ``data_dir``, so each data directory gets its
-    own cache. The fallback is logged.
-    """
-    if cache_dir:
-        return Path(cache_dir)
-    default = Path(data_dir) / "cache" / name
-    probe = default
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if os.access(probe, os.W_OK | os.X_OK):
-        return default
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    digest = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
-    fallback = base / "mega_suite" / digest / name
-    log.warning(
-        "%s is not writable: caching %s data in %s (set data.options.cache_dir to choose)",
-        probe,
-        name,
-        fallback,
-    )
-    return fallback
 
 
 def decode_utf8(raw: bytes, path: str | os.PathLike, line: int | None = None) -> str:

@@ -20,7 +20,7 @@ is its target count and ``ppl = exp(NLL of the scored tokens / number of scored 
 Training batches resume mid-epoch exactly (fixed length: a :class:`ResumableSampler` order; variable length:
 each batch drawn from ``(seed, epoch, batch index)``), their position saved in Lightning checkpoints.
 Caches go to ``cache_dir``, else ``<data_dir>/cache/wikitext-103`` when writable, else a per-user cache
-(:func:`~datamodules.text_lm.resolve_cache_dir`). Unreadable input (not UTF-8, an empty split file) raises a
+(:func:`~datamodules.common.cache_dir_for`). Unreadable input (not UTF-8, an empty split file) raises a
 :class:`~datamodules.DataError` naming the file at set-up.
 """
 
@@ -37,6 +37,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from datamodules.common import cache_dir_for
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -49,7 +50,6 @@ from datamodules.text_lm import (
     decode_utf8,
     mean_batches_per_epoch,
     packed_train_loader,
-    resolve_cache_dir,
     token_dtype,
     trainer_rank,
     variable_length_loader,
@@ -127,7 +127,7 @@ class WikiText103DataModule(L.LightningDataModule):
             )
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "wikitext-103"
-        self.cache_dir = resolve_cache_dir(self.data_dir, "wikitext-103", cache_dir)
+        self.cache_dir = cache_dir_for(self.data_dir, "wikitext-103", cache_dir or None)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
