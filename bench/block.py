@@ -5,7 +5,7 @@
     python -m bench.block --glibc-no-mmap      # full run, malloc keeps freed blocks (RESULTS.md)
     python -m bench.block --lengths 4K,8K --repeat 3
 
-Megalodon: ``mega_suite.model.MegalodonBlock``, LM form, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16,
+Megalodon: ``mega_suite.models.megalodon.model.MegalodonBlock``, LM form, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16,
 h 1, chunk C = 4096, fp32, batch 1 (the ``megalodon_cpu_bench`` preset with C overridden).
 Llama: RMSNorm -> q/k/v/o projections of width D -> RoPE -> causal full attention through
 ``F.scaled_dot_product_attention(is_causal=True)`` -> RMSNorm -> SwiGLU FFN of the same width F.
@@ -106,7 +106,7 @@ class LlamaBlock(nn.Module):
 def build_block(kind: str, chunk_size: int, llama_heads: int) -> nn.Module:
     if kind == "megalodon":
         from mega_suite import get_config
-        from mega_suite.model import MegalodonBlock
+        from mega_suite.models.megalodon.model import MegalodonBlock
 
         return MegalodonBlock(get_config("megalodon_cpu_bench", chunk_size=chunk_size))
     return LlamaBlock(512, llama_heads, 1024)

@@ -185,7 +185,7 @@ def profile_step(length: int, checkpointing: bool, top: int) -> None:
     """Where the time of one training step goes: torch.profiler self CPU time by op, and by component."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import mega_suite.model as mm
+    import mega_suite.models.megalodon.model as mm
 
     model = build_model(checkpointing).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
 
-from mega_suite.config import MegalodonConfig
-from mega_suite.model import build_model
+from mega_suite.models import build_model
+from mega_suite.models.megalodon.config import MegalodonConfig
 
 STAGES = ("val", "test")
 

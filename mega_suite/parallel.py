@@ -1,7 +1,7 @@
 """FSDP2 sharding (torchtitan style): ``fully_shard`` per unit the model names, then the root.
 
 The model declares what to shard and what stays float32 (``fsdp_units()``, ``float32_modules()``; see the
-precision policy in ``mega_suite.model``); nothing here matches parameter names. Under bf16-mixed:
+precision policy in ``mega_suite.models.common``); nothing here matches parameter names. Under bf16-mixed:
 
 - each unit (block) all-gathers bf16 parameters and reduce-scatters float32 gradients; it does not cast its
   inputs, so the residual stream stays float32 as under autocast on one device or DDP;
@@ -27,7 +27,7 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (default: the world); ``bf16`` for bf16-mixed training.
 
-    ``model`` provides ``fsdp_units()`` and ``float32_modules()`` (``mega_suite.model.Backbone``).
+    ``model`` provides ``fsdp_units()`` and ``float32_modules()`` (``mega_suite.models.common.Backbone``).
     """
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     islands = {id(m) for m in model.float32_modules()} if bf16 else set()

@@ -15,15 +15,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mega_suite.config import MegalodonConfig
-from mega_suite.presets import PRESETS
+from mega_suite.models.megalodon.config import MegalodonConfig
+from mega_suite.models.megalodon.presets import PRESETS
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 @dataclass
 class ModelSection(MegalodonConfig):
-    preset: str = "megalodon_debug"  # registry name (mega_suite.presets); its values are the defaults here
+    preset: str = "megalodon_debug"  # registry name (mega_suite.models); its values are the defaults here
 
     def __post_init__(self) -> None:  # validated when the model is built, after all overrides
         pass

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from mega_suite.llama import LlamaConfig, LlamaLM
+from mega_suite.models.llama import LlamaConfig, LlamaLM
 
 CFG = dict(num_layers=2, model_dim=16, num_heads=2, ffn_hidden_dim=24, vocab_size=40, max_seq_len=12)
 F64 = dict(rtol=1e-10, atol=1e-10)

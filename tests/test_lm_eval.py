@@ -10,9 +10,9 @@ import pytest
 import torch
 from modality_fixtures import write_pg19
 
-from mega_suite.config import MegalodonConfig
 from mega_suite.evaluate import documents_from_segments, eval_context, write_report
 from mega_suite.lightning import CausalLM
+from mega_suite.models.megalodon.config import MegalodonConfig
 from mega_suite.runner import ValWithTest
 
 CFG = dict(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mega_suite import MegalodonClassifier, MegalodonConfig, MegalodonLM, create_model
-from mega_suite.model import MegalodonBlock
+from mega_suite.models.megalodon.model import MegalodonBlock
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 

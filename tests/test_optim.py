@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mega_suite.config import MegalodonConfig
 from mega_suite.lightning import CausalLM, SequenceClassifier, lr_lambda
+from mega_suite.models.megalodon.config import MegalodonConfig
 
 TINY = dict(
     num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=16, cema_ndim=4,

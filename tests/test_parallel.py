@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mega_suite.config import MegalodonConfig
+from mega_suite.models.megalodon.config import MegalodonConfig
 
 CFG = dict(
     num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=24, swiglu=True,
@@ -19,7 +19,7 @@ CFG = dict(
 
 
 def _build(seed: int = 0):
-    from mega_suite.model import MegalodonLM
+    from mega_suite.models.megalodon.model import MegalodonLM
 
     torch.manual_seed(seed)
     return MegalodonLM(MegalodonConfig(**CFG))

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from mega_suite import MegalodonConfig
-from mega_suite.model import ComplexEMA, LayerNorm, MegalodonClassifier, MegalodonLM, RMSNorm, TimestepNorm
+from mega_suite.models.megalodon.model import (
+    ComplexEMA,
+    LayerNorm,
+    MegalodonClassifier,
+    MegalodonLM,
+    RMSNorm,
+    TimestepNorm,
+)
 
 BF16 = torch.bfloat16
 METHODS = ("fft", "chunked", "sequential")
@@ -62,7 +69,7 @@ class Recorder:
         for name, module in model.named_modules():
             if isinstance(module, (ComplexEMA, TimestepNorm, RMSNorm, LayerNorm)):
                 module.register_forward_hook(self._hook(name))
-        import mega_suite.model as model_module
+        import mega_suite.models.megalodon.model as model_module
 
         original = model_module.chunk_attention
 

@@ -19,9 +19,11 @@ from mega_suite import (
     count_parameters,
     create_model,
     get_config,
-    list_models,
 )
 from mega_suite.checkpoint import from_reference, load_reference, load_reference_file, to_reference
+from mega_suite.models.megalodon import PRESETS as MEGALODON_PRESETS
+
+MEGALODON = sorted(MEGALODON_PRESETS)  # the registry also holds the Llama sizes (tests/test_models.py)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def warm_meta():
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", MEGALODON)
 def test_preset_builds_on_meta(name, warm_meta):
     elapsed = []
     while len(elapsed) < 3 and (not elapsed or elapsed[-1] >= 1.0):  # retries absorb a busy machine
@@ -184,7 +186,7 @@ def formula_count(cfg):
 
 @pytest.mark.parametrize(
     "name",
-    [n for n in list_models() if get_config(n).input_type != "patch" and not get_config(n).adaptive_cutoffs],
+    [n for n in MEGALODON if get_config(n).input_type != "patch" and not get_config(n).adaptive_cutoffs],
 )
 def test_parameter_count_matches_formula(name, warm_meta):
     assert count_parameters(create_model(name, device="meta")) == formula_count(get_config(name))

@@ -2,7 +2,7 @@
 
 The model runs in float64 with every dropout rate distinct (dropout 0.3, hidden_dropout 0.2, attention_dropout
 0.25, drop_path 0.4), so each recorded mask also names the rate it was drawn with. ``MaskRecorder`` wraps
-``torch.nn.functional.dropout``, ``mega_suite.model.drop_path`` and ``mega_suite.model.chunk_attention``: the
+``torch.nn.functional.dropout``, ``mega_suite.models.megalodon.model.drop_path`` and ``mega_suite.models.megalodon.model.chunk_attention``: the
 originals run (the model's real random draws), the keep-masks and the RNG state before each attention call are
 recorded, and the oracle -- which applies every dropout itself, in its SPEC place, with its own 1 / (1 − p)
 rescaling -- takes them in data-dependency order, asserting the rate and the shape of each. The DropKey mask is
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from oracles import chunk_attention_dropkey, megalodon_block, megalodon_classifier, megalodon_lm, rope_chunks
 
-import mega_suite.model as model_module
+import mega_suite.models.megalodon.model as model_module
 from kernels.attention.reference import chunk_attention as reference_attention
 from mega_suite import MegalodonClassifier, MegalodonLM
-from mega_suite.model import MegalodonBlock
+from mega_suite.models.megalodon.model import MegalodonBlock
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 RATES = dict(dropout=0.3, hidden_dropout=0.2, attention_dropout=0.25)

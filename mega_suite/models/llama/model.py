@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mega_suite.model import Backbone, OutputProjection, float32_island, init_all, rope
+from mega_suite.models.common import Backbone, OutputProjection, float32_island, init_all, rope
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Registry of named Megalodon sizes (SPEC §9), timm style: ``create_model("megalodon_7b", **overrides)``.
+"""Named Megalodon sizes (SPEC §9), registered with ``mega_suite.models``: ``create_model("megalodon_7b")``.
 
 Language-model presets are the reference release's (200M, 1.3B, 1.3B-pg19) and the paper's 7B run.
 Task presets are the small-task table of SPEC §9; their ``vocab_size`` is a placeholder that the
@@ -8,13 +8,6 @@ the paper; we use groups of 4-6 channels (``norm_num_groups`` below), a document
 """
 
 from __future__ import annotations
-
-from dataclasses import fields, replace
-
-import torch
-from torch import nn
-
-from mega_suite.config import MegalodonConfig
 
 _LM = dict(cema_ndim=16, norm_eps=1e-5, dropout=0.0, hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -227,35 +220,3 @@ PRESETS: dict[str, dict] = {
 # "-chunk" variants of the LRA table: C = 128 (Path-X 4096).
 for _task in ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder", "lra_pathx"):
     PRESETS[f"{_task}_chunk"] = dict(PRESETS[_task], chunk_size=4096 if _task == "lra_pathx" else 128)
-
-_FIELDS = {f.name for f in fields(MegalodonConfig)}
-
-
-def list_models() -> list[str]:
-    return sorted(PRESETS)
-
-
-def get_config(name: str, **overrides) -> MegalodonConfig:
-    """The preset's configuration with ``overrides`` applied (unknown names and keys are errors)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(list_models())}")
-    unknown = sorted(set(overrides) - _FIELDS)
-    if unknown:
-        raise KeyError(f"unknown model config keys {unknown}; valid keys: {', '.join(sorted(_FIELDS))}")
-    return replace(MegalodonConfig(**PRESETS[name]), **overrides)
-
-
-def create_model(name: str, device: str | torch.device | None = None, **overrides) -> nn.Module:
-    """Build a registered model. ``device="meta"`` builds without allocating (e.g. the 7B)."""
-    from mega_suite.model import build_model
-
-    cfg = get_config(name, **overrides)
-    if device is None:
-        return build_model(cfg)
-    with torch.device(device):
-        return build_model(cfg)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Parameters counted once (tied weights once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
