@@ -102,3 +102,20 @@ def test_label_smoothing_is_honoured_without_mixup():
     target[torch.arange(6), label] += 0.8
     expected = -(target * logp).sum(-1).mean()
     torch.testing.assert_close(module.loss(logits, label), expected, rtol=1e-12, atol=0)
+
+
+def test_every_data_module_has_a_contract_that_agrees_with_its_class():
+    from datamodules import DATAMODULES
+    from mega_suite.settings import DATA_CONTRACTS
+
+    assert set(DATA_CONTRACTS) == set(DATAMODULES)
+    for name, cls in DATAMODULES.items():
+        contract = DATA_CONTRACTS[name]
+        if isinstance(getattr(cls, "input_type", None), str):
+            assert contract.input_type == cls.input_type, name
+        if isinstance(getattr(cls, "is_retrieval", None), bool):
+            assert contract.dual_input == cls.is_retrieval, name
+        assert (contract.task == "classify") == (
+            isinstance(getattr(cls, "num_classes", None), int)
+            or "num_classes" in cls.__init__.__code__.co_varnames
+        ), name
