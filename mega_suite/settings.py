@@ -64,12 +64,8 @@ class TrainerSection:
     strategy: str = "auto"  # auto | ddp | fsdp
     precision: str = "32-true"  # 32-true | bf16-mixed | 64-true
     accumulate_grad_batches: int = 1
-    global_batch_tokens: int = (
-        0  # task=lm, > 0: accumulate_grad_batches = this / (tokens per device-batch * devices)
-    )
-    peak_tflops: float = (
-        0.0  # task=lm: per-device peak for MFU logging (e.g. 989 for H100 bf16 dense); 0: none
-    )
+    global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (runner.apply_global_batch)
+    peak_tflops: float = 0.0  # task=lm: per-device peak for MFU (e.g. 989: H100 bf16 dense); 0: no MFU
     val_check_interval: int = 500  # validate (and test) every N training batches
     limit_val_batches: float = 1.0  # fraction (<= 1.0) or number of batches
     limit_test_batches: float = 1.0
@@ -134,12 +130,14 @@ DATA_CONTRACTS: dict[str, DataContract] = {
 }
 
 # Keyword arguments every data module takes, from data.* and the run's seed (never through data.options).
-_SHARED_DATA_KEYS = {
-    "data_dir": "data.data_dir",
-    "batch_size": "data.batch_size",
-    "num_workers": "data.num_workers",
-}
-_SHARED_DATA_KEYS.update(seed="seed", max_length="data.max_length", pad_to_multiple="data.pad_to_multiple")
+_SHARED_DATA_KEYS = dict(
+    data_dir="data.data_dir",
+    batch_size="data.batch_size",
+    num_workers="data.num_workers",
+    seed="seed",
+    max_length="data.max_length",
+    pad_to_multiple="data.pad_to_multiple",
+)
 
 
 def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:

@@ -119,3 +119,13 @@ def test_every_data_module_has_a_contract_that_agrees_with_its_class():
             isinstance(getattr(cls, "num_classes", None), int)
             or "num_classes" in cls.__init__.__code__.co_varnames
         ), name
+
+
+def test_wt103_global_batch_is_the_papers_147456_tokens_on_any_device_count():
+    """6144 tokens x 24 GPUs; sequences of k ~ U{2..6} chunks of 2048 tokens average 8192 tokens."""
+    from mega_suite.runner import apply_global_batch
+
+    for devices, accumulate in ((1, 18), (8, 2), (24, 1)):
+        cfg = load_config(["recipe=wt103", f"trainer.devices={devices}"])
+        apply_global_batch(cfg)
+        assert cfg.trainer.accumulate_grad_batches == accumulate == max(1, round(147456 / (8192 * devices)))
