@@ -12,6 +12,16 @@ import os
 import sys
 
 
+def one_line(exc: BaseException) -> str:
+    """The message of a user-caused error on one line. An error raised in a DataLoader worker arrives as
+    ``Caught X in DataLoader worker process N.\nOriginal Traceback ...\nmodule.X: message``: keep the message."""
+    text = str(exc)
+    marker = f"{type(exc).__name__}: "
+    if text.startswith("Caught ") and "\nOriginal Traceback" in text and marker in text:
+        text = text[text.rindex(marker) + len(marker) :]
+    return " ".join(text.split())
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mega_suite.settings import ConfigError, list_recipes, load_config
@@ -24,20 +34,20 @@ def main(argv: list[str]) -> int:
         for name, description in list_recipes().items():
             print(f"  {name:24s} {description}")
         return 0
-    try:
-        cfg = load_config(argv)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from mega_suite.lightning import NonFiniteLossError
-    from mega_suite.runner import run
+    from datamodules import DataError
 
     try:
-        metrics = run(cfg)
-    except NonFiniteLossError:
-        return 3
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cfg = load_config(argv)
+        from mega_suite.lightning import NonFiniteLossError
+        from mega_suite.runner import run
+
+        try:
+            metrics = run(cfg)
+        except NonFiniteLossError:  # the runner printed it; the last good checkpoint is kept
+            return 3
+    except (ConfigError, DataError, FileNotFoundError) as exc:
+        # Lightning re-raises the original exception from fit/validate/test (after its own teardown).
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     print("[mega-suite] done:", {k: v for k, v in metrics.items()})
     return 0

@@ -1,4 +1,4 @@
-"""Training-loop services: throughput, reproducible per-step randomness, graceful stop, atomic checkpoints."""
+"""Training-loop services: throughput (Lightning's ThroughputMonitor), reproducible per-step randomness, graceful stop, atomic checkpoints."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ThroughputMonitor, TQDMProgressBar
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -54,33 +54,56 @@ class StepSeed(L.Callback):
         torch.manual_seed((self.seed * 1_000_003 + step * 7919 + trainer.global_rank) % (2**63 - 1))
 
 
-class Throughput(L.Callback):
-    """Log per-device tokens/s and samples/s over each logging interval (and MFU given FLOPs and peak)."""
+class TokenThroughput(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` counting valid tokens, with the model's FLOPs per token and a given peak.
+
+    Logged every ``every`` optimizer steps, per device, as rates over those steps (wall time between batch
+    ends: data loading, forward, backward and optimizer step; validation time is excluded):
+
+    - ``train/device/items_per_sec``: valid (non-padding) input tokens / s (images / s for image batches);
+    - ``train/device/samples_per_sec``: sequences / s;
+    - with ``flops_per_token`` > 0: ``train/device/flops_per_sec`` = tokens / s x flops_per_token, and with
+      ``peak_tflops`` > 0 ``train/device/mfu`` = flops_per_sec / (peak_tflops x 1e12).
+
+    Lightning also logs the running totals ``train/time``, ``train/batches``, ``train/samples``,
+    ``train/lengths`` and the same rates under ``validate/`` during validation.
+    """
 
     def __init__(self, every: int = 10, flops_per_token: float = 0.0, peak_tflops: float = 0.0):
+        super().__init__(batch_size_fn=_batch_samples, length_fn=_batch_tokens)
         self.every = max(1, every)
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
-        self._reset()
 
-    def _reset(self) -> None:
-        self.tokens = self.samples = 0
-        self.elapsed = 0.0
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # A window of every x accumulation + 1 batch ends spans exactly the last `every` optimizer steps.
+        self.kwargs["window_size"] = self.every * max(1, trainer.accumulate_grad_batches) + 1
+        super().setup(trainer, pl_module, stage)
+        # Lightning looks the peak up from a table of known GPUs; the recipe's trainer.peak_tflops is used instead.
+        peak = self.peak_tflops * 1e12 if self.peak_tflops else None
+        self.available_flops = peak
+        for throughput in self._throughputs.values():
+            throughput.available_flops = peak
 
+    # ThroughputMonitor reads `flops_per_batch` from the module at each update; batches vary in length, so it
+    # is set per batch. flops_per_token counts forward + backward: evaluation batches get none.
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
+        flops = self.flops_per_token * _batch_tokens(batch) if self.flops_per_token else None
+        pl_module.flops_per_batch = flops
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.elapsed += time.perf_counter() - self._t0
-        tokens, samples = batch_size_in_tokens(batch)
-        self.tokens += tokens
-        self.samples += samples
-        if (batch_idx + 1) % self.every == 0 and self.elapsed > 0:
-            pl_module.log("train/tokens_per_sec", self.tokens / self.elapsed, on_step=True, prog_bar=True)
-            pl_module.log("train/samples_per_sec", self.samples / self.elapsed, on_step=True)
-            if self.flops_per_token and self.peak_tflops:
-                mfu = self.tokens / self.elapsed * self.flops_per_token / (self.peak_tflops * 1e12)
-                pl_module.log("train/mfu", mfu, on_step=True)
-            self._reset()
+    def on_validation_batch_start(
+        self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        pl_module.flops_per_batch = None
+
+    on_test_batch_start = on_validation_batch_start
+
+
+def _batch_tokens(batch: dict) -> int:
+    return batch_size_in_tokens(batch)[0]
+
+
+def _batch_samples(batch: dict) -> int:
+    return batch_size_in_tokens(batch)[1]
 
 
 def batch_size_in_tokens(batch: dict) -> tuple[int, int]:

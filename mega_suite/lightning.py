@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
 from mega_suite.models import build_model
@@ -98,8 +99,20 @@ class MegalodonModule(L.LightningModule):
 class SequenceClassifier(MegalodonModule):
     """Classification over sequences (LRA, speech, images); retrieval when the model has dual_input."""
 
-    def __init__(self, model_cfg: MegalodonConfig, optim: dict, trainer: dict, total_steps: int):
+    def __init__(
+        self,
+        model_cfg: MegalodonConfig,
+        optim: dict,
+        trainer: dict,
+        total_steps: int,
+        label_smoothing: float = 0.0,
+    ):
         super().__init__(model_cfg, optim, trainer, total_steps)
+        self.label_smoothing = label_smoothing
+        self.soft_target_loss = SoftTargetCrossEntropy()
+        self.hard_label_loss = (
+            LabelSmoothingCrossEntropy(label_smoothing) if label_smoothing > 0 else nn.CrossEntropyLoss()
+        )
         n = model_cfg.num_classes
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=n)
         self.eval_acc = nn.ModuleList(torchmetrics.Accuracy(task="multiclass", num_classes=n) for _ in STAGES)
@@ -116,11 +129,18 @@ class SequenceClassifier(MegalodonModule):
             )
         return self.model(batch["input"], batch.get("padding_mask"))
 
-    @staticmethod
-    def loss(logits: Tensor, label: Tensor) -> Tensor:
-        if label.dim() == 2:  # soft targets (mixup / cutmix with label smoothing)
-            return torch.sum(-label * F.log_softmax(logits, -1), -1).mean()
-        return F.cross_entropy(logits, label)
+    def loss(self, logits: Tensor, label: Tensor) -> Tensor:
+        """Training loss, mean over the batch of -sum_k y_k log softmax(z)_k with targets y:
+
+        - soft targets ``[B, K]`` (timm mixup / cutmix, label smoothing already mixed in): y = label
+          (timm ``SoftTargetCrossEntropy``);
+        - hard labels ``[B]`` with smoothing eps > 0: y = (1 - eps) onehot(label) + eps / K
+          (timm ``LabelSmoothingCrossEntropy``);
+        - hard labels, eps = 0: y = onehot(label) (cross-entropy).
+        """
+        if label.dim() == 2:
+            return self.soft_target_loss(logits, label)
+        return self.hard_label_loss(logits, label)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch)

@@ -17,30 +17,55 @@ from mega_suite.callbacks import (
     LogLines,
     StepProgressBar,
     StepSeed,
-    Throughput,
+    TokenThroughput,
 )
 from mega_suite.lightning import NonFiniteLossError, build_module
-from mega_suite.settings import model_config, to_yaml
+from mega_suite.settings import (
+    ConfigError,
+    data_module,
+    data_option,
+    model_config,
+    to_yaml,
+    tokens_per_sequence,
+)
 
 
 class ValWithTest(L.LightningDataModule):
-    """Wrap a data module so validation runs on [val, test]: test at the best validation step is logged."""
+    """Wrap a data module so validation runs on [val, test]: test at the best validation step is logged.
+
+    Lightning attaches the trainer to, and calls the batch hooks of, the wrapper only: both are passed on to
+    the inner module (its sampler reads the trainer's rank; ImageNet mixes batches in ``on_after_batch_transfer``).
+    Other attributes (``num_words``, ``vocab_size``, ...) are read from the inner module.
+    """
 
     def __init__(self, inner: L.LightningDataModule):
-        super().__init__()
         self.inner = inner
+        super().__init__()
+
+    @property
+    def trainer(self):
+        return self.inner.trainer
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:
+        self.inner.trainer = trainer
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
+        # Called only when normal lookup fails; `inner` itself is read from __dict__ so that a half-built or
+        # unpickled wrapper raises AttributeError instead of recursing.
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def prepare_data(self) -> None:
         self.inner.prepare_data()
 
     def setup(self, stage: str) -> None:
         self.inner.setup(stage)
+
+    def teardown(self, stage: str) -> None:
+        self.inner.teardown(stage)
 
     def train_dataloader(self):
         return self.inner.train_dataloader()
@@ -53,49 +78,34 @@ class ValWithTest(L.LightningDataModule):
     def test_dataloader(self):
         return self.inner.test_dataloader()
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.inner.on_before_batch_transfer(batch, dataloader_idx)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return self.inner.transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.inner.on_after_batch_transfer(batch, dataloader_idx)
+
     def state_dict(self) -> dict:
-        return self.inner.state_dict() if hasattr(self.inner, "state_dict") else {}
+        return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if hasattr(self.inner, "load_state_dict"):
-            self.inner.load_state_dict(state)
+        self.inner.load_state_dict(state)
 
 
 def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
-    from datamodules import build_datamodule as build
-
-    d = cfg.data
-    kwargs = dict(
-        data_dir=d.data_dir,
-        batch_size=d.batch_size,
-        num_workers=d.num_workers,
-        seed=cfg.seed,
-        max_length=d.max_length,
-        pad_to_multiple=d.pad_to_multiple,
-    )
-    import inspect
-
-    from datamodules import DATAMODULES
-
-    if d.name not in DATAMODULES:
-        raise ValueError(f"data.name={d.name!r} is unknown; valid names: {', '.join(sorted(DATAMODULES))}")
-    accepted = inspect.signature(DATAMODULES[d.name].__init__).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # shared keys a module does not use
-    options = OmegaConf.to_container(d.options, resolve=True)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        valid = sorted(k for k in accepted if k != "self")
-        raise ValueError(f"data.options {unknown} are not options of data.name={d.name!r}; valid: {valid}")
-    kwargs.update(options)
-    return build(d.name, **kwargs)
+    """The data module of ``data.*`` (keys validated by ``settings.data_module``)."""
+    cls, kwargs = data_module(cfg)
+    return cls(**kwargs)
 
 
 def model_config_for(cfg: DictConfig, dm: Any):
     """Vocabulary size and class count come from the data."""
     updates = {}
-    if getattr(dm, "vocab_size", None):
+    if dm is not None and getattr(dm, "vocab_size", None):
         updates["vocab_size"] = int(dm.vocab_size)
-    if cfg.task == "classify" and getattr(dm, "num_classes", None):
+    if cfg.task == "classify" and dm is not None and getattr(dm, "num_classes", None):
         updates["num_classes"] = int(dm.num_classes)
     return model_config(cfg, **updates)
 
@@ -160,17 +170,17 @@ def device_count(cfg: DictConfig) -> int:
 
 
 def apply_global_batch(cfg: DictConfig) -> None:
-    """trainer.global_batch_tokens -> accumulate_grad_batches (the 4M-token batch of the paper's 7B run)."""
+    """trainer.global_batch_tokens -> accumulate_grad_batches = round(target / (batch x mean tokens per sequence
+    x devices x nodes)), at least 1 (the paper's 4M-token batch of the 7B run; WikiText-103's 6144 x 24)."""
     target = cfg.trainer.global_batch_tokens
     if target <= 0:
         return
-    seq_len = int(OmegaConf.select(cfg, "data.options.seq_len") or cfg.data.max_length)
-    per_step = cfg.data.batch_size * seq_len * device_count(cfg) * cfg.trainer.num_nodes
+    per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * device_count(cfg) * cfg.trainer.num_nodes
     accumulate = max(1, round(target / per_step))
     cfg.trainer.accumulate_grad_batches = accumulate
     print(
-        f"[mega-suite] global batch {target} tokens = {per_step} tokens/step x {accumulate} accumulation "
-        f"({per_step * accumulate} tokens)"
+        f"[mega-suite] global batch {target} tokens = {per_step:g} tokens per step x {accumulate} accumulation "
+        f"({per_step * accumulate:g} tokens)"
     )
 
 
@@ -204,7 +214,7 @@ def build_trainer(
     callbacks = [
         checkpoint,
         StepSeed(cfg.seed),
-        Throughput(t.log_every_n_steps, flops, t.peak_tflops),
+        TokenThroughput(t.log_every_n_steps, flops, t.peak_tflops),
         GracefulStop(ckpt_dir / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
     ]
@@ -253,13 +263,7 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     dm.prepare_data()
     mcfg = model_config_for(cfg, dm)
     apply_global_batch(cfg)
-    module = build_module(
-        cfg.task,
-        mcfg,
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
-        total_steps=cfg.trainer.max_steps,
-    )
+    module = build_run_module(cfg, mcfg)
     if cfg.init_from:
         init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
     if cfg.trainer.compile:
@@ -283,23 +287,36 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     elif cfg.mode in ("validate", "test"):
         ckpt = cfg.ckpt or (str(resume_ckpt) if resume_ckpt else None)
         if ckpt is None:
-            raise ValueError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
+            raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
         fn = trainer.validate if cfg.mode == "validate" else trainer.test
         out = fn(module, datamodule=data, ckpt_path=ckpt)
         metrics = {k: float(v) for d in out for k, v in d.items()}
     elif cfg.mode == "eval_context" and cfg.task == "lm":
         metrics = run_eval_context(cfg, module, dm, trainer, run_dir)
     else:
-        raise ValueError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
+        raise ConfigError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
     metrics["run_dir"] = str(run_dir)
     return metrics
+
+
+def build_run_module(cfg: DictConfig, mcfg) -> L.LightningModule:
+    """The LightningModule of a run; classifiers get the data module's ``label_smoothing`` (DeiT's 0.1 for
+    ImageNet), applied to hard labels when mixup / cutmix are off (mixed labels carry it already)."""
+    kwargs = dict(
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
+        total_steps=cfg.trainer.max_steps,
+    )
+    if cfg.task == "classify":
+        kwargs["label_smoothing"] = float(data_option(cfg, "label_smoothing", 0.0))
+    return build_module(cfg.task, mcfg, **kwargs)
 
 
 def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
     """Fine-tuning: the model weights of a suite checkpoint (``.ckpt``) or a reference state dict, loaded
     strictly (every name and shape must match); optimizer, schedule and step start afresh."""
     if mode != "fit":
-        raise ValueError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
+        raise ConfigError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
     if resuming:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
@@ -310,7 +327,7 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
     try:
         load_reference_file(module.model, path)
     except ValueError as exc:
-        raise ValueError(f"init_from={path}: {exc}") from None
+        raise ConfigError(f"init_from={path}: {exc}") from None
     print(f"[mega-suite] model weights initialised from {path}")
 
 

@@ -8,6 +8,7 @@ value of the wrong type fails at once, naming the key, the value and the nearest
 from __future__ import annotations
 
 import difflib
+import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ class DataSection:
     data_dir: str = "data"  # root of the published on-disk layout
     batch_size: int = 64  # per device
     num_workers: int = 0  # DataLoader workers
-    max_length: int = 2000  # truncation length (tokens, pixels, samples)
+    max_length: int | None = None  # truncation length (tokens, pixels); None: the data module's default
     pad_to_multiple: int = 1  # collation pads the batch length to a multiple of this
-    options: dict[str, Any] = field(default_factory=dict)  # task-specific datamodule keyword arguments
+    options: dict[str, Any] = field(default_factory=dict)  # other keyword arguments of the data module
 
 
 @dataclass
@@ -63,10 +64,8 @@ class TrainerSection:
     strategy: str = "auto"  # auto | ddp | fsdp
     precision: str = "32-true"  # 32-true | bf16-mixed | 64-true
     accumulate_grad_batches: int = 1
-    global_batch_tokens: int = (
-        0  # > 0: set accumulate_grad_batches = this / (batch * seq_len * devices * nodes)
-    )
-    peak_tflops: float = 0.0  # per-device peak for MFU logging (e.g. 989 for H100 bf16 dense); 0: no MFU
+    global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (runner.apply_global_batch)
+    peak_tflops: float = 0.0  # task=lm: per-device peak for MFU (e.g. 989: H100 bf16 dense); 0: no MFU
     val_check_interval: int = 500  # validate (and test) every N training batches
     limit_val_batches: float = 1.0  # fraction (<= 1.0) or number of batches
     limit_test_batches: float = 1.0
@@ -103,6 +102,130 @@ class RunConfig:
 
 class ConfigError(ValueError):
     """A recipe or override a user wrote is wrong; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DataContract:
+    """What a data module feeds the model, checked against ``task`` and ``model.*`` by ``load_config``."""
+
+    task: str  # classify | lm
+    input_type: str = "token"  # the model.input_type its batches need
+    dual_input: bool = False  # batches of document pairs (input1, input2): retrieval
+
+
+# data.name -> contract. A data module added to datamodules.DATAMODULES must be added here (a test checks it,
+# and checks the entries against the modules' own ``input_type`` / ``is_retrieval`` class attributes).
+DATA_CONTRACTS: dict[str, DataContract] = {
+    "listops": DataContract("classify", "token"),
+    "lra_text": DataContract("classify", "token"),
+    "lra_retrieval": DataContract("classify", "token", dual_input=True),
+    "lra_image": DataContract("classify", "scalar"),
+    "lra_pathfinder": DataContract("classify", "scalar"),
+    "lra_pathx": DataContract("classify", "scalar"),
+    "sc_raw": DataContract("classify", "scalar"),
+    "imagenet": DataContract("classify", "patch"),
+    "wt103": DataContract("lm"),
+    "pg19": DataContract("lm"),
+    "pretrain": DataContract("lm"),
+}
+
+# Keyword arguments every data module takes, from data.* and the run's seed (never through data.options).
+_SHARED_DATA_KEYS = dict(
+    data_dir="data.data_dir",
+    batch_size="data.batch_size",
+    num_workers="data.num_workers",
+    seed="seed",
+    max_length="data.max_length",
+    pad_to_multiple="data.pad_to_multiple",
+)
+
+
+def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    return {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+
+
+def data_module(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
+    """The class registered as ``data.name`` and its keyword arguments; a ConfigError for any key it does not
+    take (``data.options`` are checked against its ``__init__`` signature)."""
+    from datamodules import DATAMODULES
+
+    d = cfg.data
+    if d.name not in DATAMODULES:
+        near = difflib.get_close_matches(str(d.name), list(DATAMODULES), n=3)
+        raise ConfigError(
+            f"data.name={d.name!r} is unknown; nearest: {near}; all: {', '.join(sorted(DATAMODULES))}"
+        )
+    cls = DATAMODULES[d.name]
+    params = _init_parameters(cls)
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = dict(data_dir=d.data_dir, batch_size=d.batch_size, num_workers=d.num_workers)
+    kwargs["seed"] = cfg.seed
+    for key, unset in (("max_length", None), ("pad_to_multiple", 1)):
+        value = d[key]
+        if value == unset:
+            continue
+        if key not in params and not any_keyword:
+            raise ConfigError(
+                f"data.{key}={value} is not used by data.name={d.name!r} ({cls.__name__} takes no {key}); "
+                "remove it from the recipe or the command line"
+            )
+        kwargs[key] = value
+    default_length = getattr(cls, "default_max_length", None)
+    if getattr(cls, "input_type", None) == "scalar" and d.max_length not in (None, default_length):
+        raise ConfigError(
+            f"data.max_length={d.max_length}: data.name={d.name!r} has images of exactly {default_length} "
+            f"pixels; set data.max_length={default_length} or leave it out"
+        )
+    options = OmegaConf.to_container(d.options, resolve=True)
+    shared = sorted(set(options) & set(_SHARED_DATA_KEYS))
+    if shared:
+        raise ConfigError(
+            f"data.options.{shared[0]} is set through {_SHARED_DATA_KEYS[shared[0]]}, not data.options"
+        )
+    unknown = sorted(set(options) - set(params))
+    if unknown and not any_keyword:
+        valid = sorted(set(params) - set(_SHARED_DATA_KEYS))
+        raise ConfigError(
+            f"data.options {unknown} are not options of data.name={d.name!r} ({cls.__name__}); valid: {valid}"
+        )
+    kwargs.update(options)
+    return cls, kwargs
+
+
+def data_option(cfg: DictConfig, name: str, default: Any = None) -> Any:
+    """A data module argument as the run will pass it: ``data.options`` or the module's own default."""
+    cls, kwargs = data_module(cfg)
+    if name in kwargs:
+        return kwargs[name]
+    param = _init_parameters(cls).get(name)
+    if param is None or param.default is inspect.Parameter.empty:
+        return default
+    return param.default
+
+
+def data_num_classes(cfg: DictConfig) -> int | None:
+    """Class count of a classification data module: its class attribute, else its ``num_classes`` argument."""
+    cls, _ = data_module(cfg)
+    fixed = getattr(cls, "num_classes", None)
+    if isinstance(fixed, int):
+        return fixed
+    return data_option(cfg, "num_classes")
+
+
+def tokens_per_sequence(cfg: DictConfig) -> float:
+    """Mean training tokens per sequence: ``chunk_size * (min_chunks + max_chunks) / 2`` for variable-length
+    batches of ``k ~ U{min_chunks..max_chunks}`` chunks (WikiText-103), else ``seq_len``."""
+    low, high = data_option(cfg, "min_chunks"), data_option(cfg, "max_chunks")
+    chunk = data_option(cfg, "chunk_size")
+    if low is not None and high is not None and chunk:
+        return chunk * (low + high) / 2
+    seq_len = data_option(cfg, "seq_len")
+    if not seq_len:
+        raise ConfigError(
+            f"trainer.global_batch_tokens={cfg.trainer.global_batch_tokens}: data.name={cfg.data.name!r} has no "
+            "seq_len to count tokens per sequence"
+        )
+    return float(seq_len)
 
 
 def list_recipes() -> dict[str, str]:
@@ -197,7 +320,11 @@ def load_config(overrides: list[str]) -> DictConfig:
     cfg = _merge(cfg, recipe, f"recipe {recipe_name}")
     cfg = _merge(cfg, cli, "command line")
     OmegaConf.set_readonly(cfg, False)
-    _validate(cfg)
+    # A preset's class count is a placeholder (as its vocab_size): the data's replaces it, a user's must match.
+    user_classes = OmegaConf.select(cli, "model.num_classes", default=None)
+    if user_classes is None:
+        user_classes = OmegaConf.select(recipe, "model.num_classes", default=None)
+    _validate(cfg, user_classes)
     return cfg
 
 
@@ -211,7 +338,7 @@ _CHOICES = {
 }
 
 
-def _validate(cfg: DictConfig) -> None:
+def _validate(cfg: DictConfig, user_classes: int | None = None) -> None:
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:
@@ -222,10 +349,89 @@ def _validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} must be >= 1")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    _validate_data(cfg, user_classes)
+    _validate_mode(cfg)
+    _validate_trainer(cfg)
     try:
         model_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _validate_data(cfg: DictConfig, user_classes: int | None) -> None:
+    """data.* against the data module; task, model.num_classes / input_type / dual_input against its contract."""
+    data_module(cfg)
+    name, task, m = cfg.data.name, cfg.task, cfg.model
+    contract = DATA_CONTRACTS.get(name)
+    if contract is None:
+        raise ConfigError(f"data.name={name!r} has no entry in mega_suite.settings.DATA_CONTRACTS")
+    if contract.task != task:
+        raise ConfigError(
+            f"task={task} does not fit data.name={name!r}, a task={contract.task} data module; set "
+            f"task={contract.task} or a {task} data module"
+        )
+    if task == "lm":
+        if m.num_classes:
+            raise ConfigError(
+                f"model.num_classes={m.num_classes} makes a classifier, but task=lm builds a language model "
+                f"(model.preset={m.preset}); set model.num_classes=0 or use a language-model preset"
+            )
+    else:
+        classes = data_num_classes(cfg)
+        if user_classes is not None and user_classes != classes:
+            raise ConfigError(
+                f"model.num_classes={user_classes} but data.name={name!r} has {classes} classes; leave "
+                "model.num_classes out (it follows the data)"
+            )
+        m.num_classes = classes
+    if m.input_type != contract.input_type:
+        raise ConfigError(
+            f"model.input_type={m.input_type!r} but data.name={name!r} gives {contract.input_type!r} inputs; "
+            f"set model.input_type={contract.input_type} (or a preset made for this data)"
+        )
+    if bool(m.dual_input) != contract.dual_input:
+        raise ConfigError(
+            f"model.dual_input={bool(m.dual_input)} but data.name={name!r} "
+            + ("gives document pairs" if contract.dual_input else "gives single sequences")
+            + f"; set model.dual_input={str(contract.dual_input).lower()}"
+        )
+
+
+def _validate_mode(cfg: DictConfig) -> None:
+    """Keys that only one mode reads are rejected in the others."""
+    mode = cfg.mode
+    if cfg.init_from and mode != "fit":
+        raise ConfigError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
+    if cfg.ckpt and mode == "fit":
+        raise ConfigError(
+            f"ckpt={cfg.ckpt} is read by mode=validate/test/eval_context, not mode=fit: continue a run with "
+            "resume=PATH, or start one from those weights with init_from=PATH"
+        )
+    if mode in ("validate", "test") and not (cfg.ckpt or cfg.resume):
+        raise ConfigError(f"mode={mode} needs ckpt=PATH (or resume=auto / a run directory)")
+    if mode == "eval_context" and cfg.task != "lm":
+        raise ConfigError(f"mode=eval_context needs task=lm (a language model), got task={cfg.task}")
+    if mode != "eval_context":
+        for key in ("eval_context_lengths", "eval_max_documents"):
+            if cfg[key]:
+                raise ConfigError(f"{key}={cfg[key]} is read by mode=eval_context only (mode={mode})")
+
+
+def _validate_trainer(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    for key in ("global_batch_tokens", "peak_tflops"):
+        if t[key] and cfg.task != "lm":
+            raise ConfigError(
+                f"trainer.{key}={t[key]} applies to task=lm (tokens and FLOPs per token are counted for the "
+                f"language model); task={cfg.task} batches are set in samples by data.batch_size"
+            )
+    if t.global_batch_tokens:
+        if t.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} and trainer.global_batch_tokens="
+                f"{t.global_batch_tokens} both set the accumulation: set one of them"
+            )
+        tokens_per_sequence(cfg)
 
 
 def model_config(cfg: DictConfig, **updates: Any) -> MegalodonConfig:
