@@ -127,6 +127,7 @@ DATA_CONTRACTS: dict[str, DataContract] = {
     "wt103": DataContract("lm"),
     "pg19": DataContract("lm"),
     "pretrain": DataContract("lm"),
+    "kjv": DataContract("lm"),
 }
 
 # Keyword arguments every data module takes, from data.* and the run's seed (never through data.options).

@@ -60,6 +60,7 @@ for _task in ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_path
 DIFFERS = {
     "debug": "a seconds-long smoke test on generated ListOps",
     "pg19_small": "PG19 sized for a CPU (4 layers, D 128, 4K vocabulary, 2K-token sequences)",
+    "kjv": "the in-repository King James Bible corpus on a CPU (4.6M parameters); SPEC §9 has no such row",
     "pg19": "SPEC §9 gives only the preset (1.3B-pg19) and the 32K vocabulary for PG19; the optimisation is "
     "the 7B run's (checked: preset, vocabulary, no dropout)",
     "llm_1b": "SPEC §9 gives the 1.3B's shape but no training run: it reuses the 7B optimisation",

@@ -10,8 +10,8 @@ import pytest
 import torch
 from modality_fixtures import write_wikitext
 
+from mega_suite import MegalodonConfig
 from mega_suite.callbacks import TokenThroughput
-from mega_suite.config import MegalodonConfig
 from mega_suite.lightning import SequenceClassifier
 
 TINY_MODEL = dict(
