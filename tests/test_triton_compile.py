@@ -244,11 +244,14 @@ def _specialise(fn, args, kwargs, backend):
     return signature, constexprs, attrs, options
 
 
-def _ptxas_numbers(log: str) -> dict:
+def _ptxas_numbers(log: str, name: str) -> dict:
+    """Registers and spills of the entry function ``name`` from ``ptxas -v`` output (other functions of
+    the same log, e.g. called device functions, have blocks of their own)."""
     import re
 
-    regs = re.search(r"Used (\d+) registers", log)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    block = log[log.find(f"Compiling entry function '{name}'") :]
+    regs = re.search(r"Used (\d+) registers", block)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
     return {
         "regs": int(regs.group(1)) if regs else None,
         "spill_stores": int(spill.group(1)) if spill else None,
@@ -295,7 +298,10 @@ def _compile(job):
         if "Used" not in log:  # cache hit: nothing was printed
             log = _ptxas_rerun(kernel.asm["ptx"], arch, kernel.metadata.enable_fp_fusion)
         return dict(
-            ok=True, shared=kernel.metadata.shared, seconds=time.perf_counter() - start, **_ptxas_numbers(log)
+            ok=True,
+            shared=kernel.metadata.shared,
+            seconds=time.perf_counter() - start,
+            **_ptxas_numbers(log, fn.__name__),
         )
     except Exception as err:  # noqa: BLE001 -- reported per row, the test fails on it
         return dict(
@@ -473,10 +479,17 @@ def test_every_autotune_config_is_compiled_for_each_arch(compiled):
 
 @pytest.mark.slow
 def test_shared_memory_fits_the_target(compiled):
-    over = [r for r in compiled["rows"] if r["ok"] and r["shared"] > MAX_SHARED[r["arch"]]]
-    assert not over, "configs over the shared-memory limit:\n" + "\n".join(
-        f"sm_{r['arch']} {r['kernel']} {r['config']}: {r['shared']} B > {MAX_SHARED[r['arch']]}" for r in over
-    )
+    """Every non-autotuned launch fits its target; of an autotuned launch's candidates at least one does
+    (the autotuner discards a configuration that raises OutOfResources on the device)."""
+    groups: dict = {}
+    for r in compiled["rows"]:
+        if r["ok"]:
+            groups.setdefault((r["arch"], r["kernel"], r["scenario"], r["tuned"]), []).append(r)
+    for (arch, kernel, scenario, tuned), rows in groups.items():
+        fits = [r["shared"] <= MAX_SHARED[arch] for r in rows]
+        assert any(fits) if tuned else all(fits), (
+            f"sm_{arch} {kernel} [{scenario}]: shared memory over the limit"
+        )
 
 
 if __name__ == "__main__":
