@@ -6,7 +6,7 @@ PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test train lint bench clean
+.PHONY: setup test train lint bench gpu-check clean
 
 .venv/.synced: pyproject.toml uv.lock
 	@if [ "$(UV)" = "uv-missing" ]; then python3 -m pip install -q uv; fi
@@ -30,6 +30,9 @@ bench: .venv/.synced
 	$(PY) -m bench.cema
 	$(PY) -m bench.cpu_bar
 	$(PY) -m bench.kernels
+
+gpu-check: .venv/.synced  # one H100, <= 20 min: writes bench/GPU_RESULTS.md; exits non-zero without CUDA
+	$(PY) -m bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache

@@ -103,13 +103,26 @@ class LlamaBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(u)) * self.w3(u))
 
 
-def build_block(kind: str, chunk_size: int, llama_heads: int) -> nn.Module:
+# The 7B widths (GPU check): Megalodon's ``megalodon_7b`` block against a Llama-2-7B block (D 4096,
+# 32 heads of 128, SwiGLU FFN 11008).
+LLAMA_7B = dict(dim=4096, heads=32, ffn_dim=11008)
+
+
+def build_block(
+    kind: str,
+    chunk_size: int,
+    llama_heads: int,
+    preset: str = "megalodon_cpu_bench",
+    llama: dict | None = None,
+) -> nn.Module:
+    """Megalodon: one block of ``preset`` with chunk C = ``chunk_size``; Llama: ``llama`` (dim, heads,
+    ffn_dim), by default the CPU-bench widths D 512, F 1024 with ``llama_heads`` heads."""
     if kind == "megalodon":
         from mega_suite import get_config
         from mega_suite.models.megalodon.model import MegalodonBlock
 
-        return MegalodonBlock(get_config("megalodon_cpu_bench", chunk_size=chunk_size))
-    return LlamaBlock(512, llama_heads, 1024)
+        return MegalodonBlock(get_config(preset, chunk_size=chunk_size))
+    return LlamaBlock(**(llama or dict(dim=512, heads=llama_heads, ffn_dim=1024)))
 
 
 def bench_block(

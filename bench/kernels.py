@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as `python bench/kernels.py`
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from bench.common import markdown_table, met
 
@@ -214,8 +215,9 @@ def _cema_rows(b, length, d, n, dtype, copy, compiled_reference):
     impls = {
         "triton": lambda: fused.cema(*leaves),
         "reference": lambda: reference.cema(*leaves),
-        "reference compiled": lambda: compiled_reference(*leaves),
     }
+    if compiled_reference is not None:
+        impls["reference compiled"] = lambda: compiled_reference(*leaves)
     shape = f"B{b} L{length} D{d} N{n}"
     return _bandwidth_rows(shape, impls, leaves, torch.randn_like(x), b * length * d, x.element_size(), copy)
 
@@ -260,8 +262,9 @@ def _timestep_norm_rows(b, length, d, groups, dtype, copy, compiled_reference):
     impls = {
         "triton": lambda: fused.timestep_norm(*leaves, groups),
         "reference": lambda: reference.timestep_norm(*leaves, groups),
-        "reference compiled": lambda: compiled_reference(*leaves, groups),
     }
+    if compiled_reference is not None:
+        impls["reference compiled"] = lambda: compiled_reference(*leaves, groups)
     shape = f"B{b} L{length} D{d} G{groups}"
     return _bandwidth_rows(shape, impls, leaves, torch.randn_like(x), b * length * d, x.element_size(), copy)
 
@@ -288,6 +291,84 @@ def bench_timestep_norm(quick: bool = False, dtype: torch.dtype = torch.bfloat16
         print(
             f"\nTarget: fwd+bwd >= 60% of copy bandwidth at B1 L32768 D4096 bf16: {target:.0%}, {met(target >= 0.6)}"
         )
+
+
+# ------------------------------------------------------------------------------------------------ targets
+# One shape each, no torch.compile: the checks of ``bench.gpu_check`` (value, passed, Markdown rows).
+
+TARGET_TIMESTEP_NORM = 0.6  # fwd+bwd traffic / copy bandwidth at B1 L32768 D4096 G64 bf16
+TARGET_CEMA = 3.0  # FFT reference time / Triton time, fwd+bwd at B1 L32768 D4096 N16 bf16
+TARGET_ATTENTION = 1.2  # Triton fwd+bwd time / SDPA flash fwd+bwd time at the 7B head widths
+
+
+def timestep_norm_target(dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, bool, list[list[str]]]:
+    """Fraction of the copy bandwidth reached by the fused TimestepNorm fwd+bwd at the 7B shape."""
+    b, length, d, groups = TIMESTEP_NORM_SHAPES[0]
+    copy = copy_gbps()
+    rows, times = _timestep_norm_rows(b, length, d, groups, dtype, copy, None)
+    value = (
+        None
+        if times["triton"] is None
+        else 5 * b * length * d * dtype.itemsize / (times["triton"] * 1e-3) / 1e9 / copy
+    )
+    return value, value is not None and value >= TARGET_TIMESTEP_NORM, rows
+
+
+def cema_target(dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, bool, list[list[str]]]:
+    """Speed-up of the fused CEMA over the FFT reference, fwd+bwd, at B1 L32768 D4096 N16."""
+    rows, times = _cema_rows(*CEMA_SHAPES[0], dtype, copy_gbps(), None)
+    t, ref = times["triton"], times["reference"]
+    value = None if t is None or ref is None else ref / t
+    return value, value is not None and value >= TARGET_CEMA, rows
+
+
+ATTENTION_TARGET_SHAPES = [
+    (1, 4, 4096, 4096, 256, 256),
+    (1, 4, 4096, 4096, 256, 2048),
+]  # (B, h, L, C, dk, dv)
+
+
+def _sdpa_flash(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """SDPA's flash kernel on [B, h, C, d] chunks; a value width over the query width is split into tiles
+    of the query width (the flash kernel needs equal widths), each call recomputing QKᵀ -- the same split
+    the fused kernel makes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dk = q.shape[-1]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        tiles = [
+            F.scaled_dot_product_attention(q, k, vt, is_causal=causal, scale=1.0) for vt in v.split(dk, -1)
+        ]
+    return torch.cat(tiles, -1)
+
+
+def attention_target(dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, bool, list[list[str]]]:
+    """Worst ratio, over the 7B head widths (dk 256 with dv 256 and dv 2048), of the fused kernel's
+    fwd+bwd time to SDPA flash's on the same causal chunks (C = L = 4096, so no folding is needed)."""
+    from kernels.attention import triton as fused
+
+    rows, worst = [], 0.0
+    for b, h, length, chunk, dk, dv in ATTENTION_TARGET_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k = (
+            torch.randn(b, length, h, dk, device="cuda", dtype=dtype, generator=g) / dk**0.25 for _ in "qk"
+        )
+        v = torch.randn(b, length, h, dv, device="cuda", dtype=dtype, generator=g)
+        do = torch.randn_like(v)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        heads_first = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+        do_hf = do.transpose(1, 2).contiguous()
+        tri = lambda a=leaves, c=chunk, ct=do: fused.chunk_attention(*a, c, True).backward(ct)
+        sdpa = lambda a=heads_first, ct=do_hf: _sdpa_flash(*a, True).backward(ct)
+        t_tri, t_sdpa = median_ms(tri, grad_to_none=leaves), median_ms(sdpa, grad_to_none=heads_first)
+        ratio = None if t_tri is None or t_sdpa is None else t_tri / t_sdpa
+        worst = float("inf") if ratio is None else max(worst, ratio)
+        shape = f"B{b} h{h} L{length} C{chunk} dk{dk} dv{dv} causal"
+        rows.append([shape, "-" if t_tri is None else f"{t_tri:.3f}", "-" if t_sdpa is None else f"{t_sdpa:.3f}",
+                     "-" if ratio is None else f"{ratio:.2f}"])  # fmt: skip
+        torch.cuda.empty_cache()
+    value = None if worst == float("inf") else worst
+    return value, value is not None and value <= TARGET_ATTENTION, rows
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,0 +1,484 @@
+"""``make gpu-check``: one command that proves the GPU path on one H100 in <= 20 minutes.
+
+    python -m bench.gpu_check                 # every stage; writes bench/GPU_RESULTS.md
+    python -m bench.gpu_check --stages model_step,kernels --out /tmp/r.md
+
+Stages, in order, each timed; its result (pass / fail, numbers) is appended to the Markdown report as soon as
+it ends, so a crash or a timeout still leaves a partial report. Budgets are for one H100 (80 GB):
+
+1. ``cuda_tests``  (4 min)  the kernel tests natively on CUDA: tests/test_triton_*.py (bf16, L = 32K and
+   the GPU-only cases that skip on CPU) and anything marked ``gpu``; no test may skip for want of CUDA.
+2. ``model_step``  (3 min)  one full training step (forward loss, every parameter gradient) of a small
+   real LM (2 layers, D 512, L 4096, C 1024) and classifier (2 layers, D 256, L 4096, C 1024, padding),
+   fp32 and bf16-mixed (``torch.autocast("cuda", torch.bfloat16)``), Triton kernels against the PyTorch
+   references (``kernels.dispatch.force_reference``). Rule (mamba's): for the loss and every gradient,
+   ``err(triton) <= 2 err(reference) + atol``, each err = max|. - float64| / max|float64| against a
+   float64 run of the same model.
+3. ``kernels``     (4 min)  the targets of bench/kernels.py at the 7B shapes: TimestepNorm fwd+bwd >= 60%
+   of the copy bandwidth, CEMA fwd+bwd >= 3x the FFT reference, attention fwd+bwd within 1.2x of SDPA
+   flash at dk 256 with dv 256 and dv 2048.
+4. ``block``       (2 min)  one block at the 7B widths (bench/block.py's builders), Megalodon vs Llama-2,
+   bf16-mixed fwd+bwd at L = 4K and 32K (paper, A100: 6% slower at 4K, 32% faster at 32K). Pass:
+   Megalodon / Llama <= 1.3 at 4K and < 1 at 32K.
+5. ``listops``     (6 min)  ``run.py recipe=lra_listops`` for 500 bf16-mixed steps on the GPU (data generated
+   when absent, about 1 min), a short validation; loss-vs-step table and bench/gpu_listops_loss.png. Pass:
+   finishes, finite losses, mean loss of the last 50 steps below that of the first 50.
+
+The command exits 1 if any stage fails, and exits 2 at once, before importing torch, without an NVIDIA
+driver (and after importing it, without a CUDA device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "bench" / "GPU_RESULTS.md"
+NO_CUDA = (
+    "bench.gpu_check needs a CUDA GPU (an NVIDIA driver and torch.cuda.is_available()); none found here."
+)
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+@dataclass
+class Outcome:
+    """What a stage returns: pass / fail, Markdown body, headline numbers."""
+
+    ok: bool
+    body: str = ""
+    numbers: dict = field(default_factory=dict)
+
+
+@dataclass
+class StageResult:
+    name: str
+    ok: bool
+    seconds: float
+    budget_s: float
+    body: str
+    numbers: dict
+
+
+class Report:
+    """The Markdown file, rewritten in full after each stage (a crash leaves every finished stage)."""
+
+    def __init__(self, path: Path, header: str):
+        self.path, self.header, self.sections = path, header, []
+
+    def add(self, result: StageResult) -> None:
+        verdict = "PASS" if result.ok else "FAIL"
+        head = f"## {result.name}: {verdict} ({result.seconds:.0f} s, budget {result.budget_s:.0f} s)"
+        self.sections.append(f"{head}\n\n{result.body.strip()}\n")
+        self.write()
+
+    def write(self, footer: str = "") -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = "\n".join([self.header, *self.sections, footer]).rstrip() + "\n"
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.path)
+
+
+def run_stages(stages: list[tuple[str, float, Callable[[], Outcome]]], report: Report) -> list[StageResult]:
+    """Run each (name, budget seconds, fn) in order; an exception fails its stage only."""
+    results = []
+    for name, budget, fn in stages:
+        print(f"\n=== {name} (budget {budget:.0f} s)", flush=True)
+        start = time.perf_counter()
+        try:
+            out = fn()
+        except Exception:  # noqa: BLE001 -- the report records it; the next stage still runs
+            out = Outcome(False, "```\n" + traceback.format_exc()[-6000:] + "\n```")
+        result = StageResult(name, bool(out.ok), time.perf_counter() - start, budget, out.body, out.numbers)
+        report.add(result)
+        print(f"=== {name}: {'PASS' if result.ok else 'FAIL'} in {result.seconds:.0f} s", flush=True)
+        results.append(result)
+    total = sum(r.seconds for r in results)
+    summary = "| stage | result | seconds | budget |\n|---|---|---|---|\n" + "\n".join(
+        f"| {r.name} | {'PASS' if r.ok else 'FAIL'} | {r.seconds:.0f} | {r.budget_s:.0f} |" for r in results
+    )
+    report.write(f"## Summary\n\n{summary}\n\nTotal {total / 60:.1f} min.")
+    return results
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def has_nvidia_driver() -> bool:
+    """Cheap test before importing torch: the NVIDIA kernel driver's files."""
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _pytest(args: list[str], timeout: float) -> tuple[int, str]:
+    cmd = [_python(), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+CUDA_TEST_FILES = (
+    "tests/test_triton_attention.py",
+    "tests/test_triton_cema.py",
+    "tests/test_triton_timestep_norm.py",
+)
+
+
+def stage_cuda_tests() -> Outcome:
+    """The kernel tests on CUDA (natively: conftest sets TRITON_INTERPRET only without CUDA) and the
+    tests marked ``gpu``; a skip that says CUDA is missing is a failure here."""
+    rc, out = _pytest(list(CUDA_TEST_FILES), timeout=420)
+    rc_gpu, out_gpu = _pytest(["-m", "gpu", "tests"], timeout=240)
+    summary = [line for line in (out + out_gpu).splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    cuda_skips = [line for line in (out + out_gpu).splitlines() if "SKIPPED" in line and "CUDA" in line]
+    ok = rc == 0 and rc_gpu in (0, 5) and not cuda_skips  # 5: no test is marked gpu
+    body = "`pytest " + " ".join(CUDA_TEST_FILES) + "` and `pytest -m gpu tests`:\n\n```\n"
+    body += "\n".join(summary + cuda_skips) + "\n```\n"
+    if not ok:
+        body += "\nOutput tail:\n\n```\n" + (out + out_gpu)[-5000:] + "\n```\n"
+    return Outcome(ok, body, {"summary": summary})
+
+
+# model step -------------------------------------------------------------------------------------------------
+
+ATOL = {"fp32": 1e-5, "bf16-mixed": 1e-3}  # on errors relative to max|float64|
+
+
+def _model_case(task: str):
+    """(model, inputs, loss function) of a small real model; parameters float32, seeded."""
+    import torch
+    import torch.nn.functional as F
+
+    from mega_suite import get_config
+    from mega_suite.model import build_model
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    length, chunk = 4096, 1024
+    if task == "lm":
+        cfg = get_config(
+            "megalodon_200m", num_layers=2, model_dim=512, num_heads=2, z_dim=256, value_dim=1024,
+            ffn_hidden_dim=1024, chunk_size=chunk, norm_num_groups=32, vocab_size=1000,
+        )  # fmt: skip
+        tokens = torch.randint(0, 1000, (2, length + 1), generator=g)
+        inputs = (tokens[:, :-1],)
+
+        def loss_fn(model, x):
+            logits, _ = model(x)
+            return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].to(x.device).flatten())
+
+    else:
+        cfg = get_config(
+            "lra_listops", num_layers=2, model_dim=256, num_heads=1, z_dim=64, value_dim=512,
+            ffn_hidden_dim=512, chunk_size=chunk, norm_num_groups=32, dropout=0.0, num_classes=10, vocab_size=32,
+        )  # fmt: skip
+        tokens = torch.randint(1, 32, (2, length), generator=g)
+        pad = torch.zeros(2, length, dtype=torch.bool)
+        pad[1, length - 700 :] = True  # one padded row
+        labels = torch.tensor([3, 7])
+        inputs = (tokens, pad)
+
+        def loss_fn(model, x, padding):
+            return F.cross_entropy(model(x, padding).float(), labels.to(x.device))
+
+    return build_model(cfg), inputs, loss_fn
+
+
+def _step(model, inputs, loss_fn, precision: str, reference: bool):
+    """Loss and gradients {name: tensor} of one forward + backward, on the requested kernel path."""
+    import torch
+
+    from kernels import dispatch
+
+    dispatch.force_reference(reference)
+    try:
+        model.zero_grad(set_to_none=True)
+        ctx = (
+            torch.autocast("cuda", torch.bfloat16)
+            if precision == "bf16-mixed"
+            else torch.autocast("cuda", enabled=False)
+        )
+        with ctx:
+            loss = loss_fn(model, *inputs)
+        loss.backward()
+        grads = {
+            n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+        return loss.detach().double(), grads
+    finally:
+        dispatch.force_reference(None)
+
+
+def _rel_err(x, truth) -> float:
+    return float((x - truth).abs().max() / truth.abs().max().clamp(min=1e-30))
+
+
+def stage_model_step() -> Outcome:
+    """Triton vs reference for one training step of an LM and a classifier, fp32 and bf16-mixed."""
+    import copy
+
+    import torch
+
+    rows, ok = [], True
+    for task in ("lm", "classifier"):
+        model, inputs, loss_fn = _model_case(task)
+        model.train()
+        inputs = tuple(t.cuda() for t in inputs)
+        truth_model = copy.deepcopy(model).double().cuda()
+        truth = _step(truth_model, inputs, loss_fn, "fp32", reference=True)
+        del truth_model
+        model = model.cuda()
+        for precision in ("fp32", "bf16-mixed"):
+            ref = _step(model, inputs, loss_fn, precision, reference=True)
+            tri = _step(model, inputs, loss_fn, precision, reference=False)
+            atol = ATOL[precision]
+            checks = [("loss", ref[0], tri[0], truth[0])]
+            checks += [(name, ref[1][name], tri[1][name], truth[1][name]) for name in truth[1]]
+            failed, worst = [], ("", 0.0, 0.0)
+            for name, r, t, t64 in checks:
+                e_ref, e_tri = _rel_err(r, t64), _rel_err(t, t64)
+                if not e_tri <= 2 * e_ref + atol:
+                    failed.append(f"{name} ({e_tri:.2e} > 2 x {e_ref:.2e} + {atol:g})")
+                if e_tri - 2 * e_ref >= worst[2] - 2 * worst[1] or not worst[0]:
+                    worst = (name, e_ref, e_tri)
+            ok &= not failed
+            loss_err = (_rel_err(ref[0], truth[0]), _rel_err(tri[0], truth[0]))
+            rows.append([
+                task, precision, f"{float(truth[0]):.5f}", f"{loss_err[0]:.1e}", f"{loss_err[1]:.1e}",
+                f"{worst[0]} {worst[1]:.1e} / {worst[2]:.1e}", len(checks), "PASS" if not failed else "FAIL: " + "; ".join(failed[:5]),
+            ])  # fmt: skip
+            print(" | ".join(map(str, rows[-1])), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    body = (
+        "One training step, Triton kernels vs the PyTorch references; errors are max|x - x64| / max|x64| "
+        "against a float64 run (reference kernels) of the same weights and batch. Rule: "
+        "err(triton) <= 2 err(reference) + atol (fp32 1e-5, bf16-mixed 1e-3) for the loss and every gradient.\n\n"
+    )
+    headers = [
+        "model",
+        "precision",
+        "loss (f64)",
+        "loss err ref",
+        "loss err triton",
+        "tightest: name ref / triton",
+        "checked",
+        "result",
+    ]
+    return Outcome(ok, body + markdown_table(headers, rows))
+
+
+# kernels ----------------------------------------------------------------------------------------------------
+
+
+def stage_kernels() -> Outcome:
+    """bench/kernels.py's targets at the 7B shapes."""
+    from bench import kernels as bk
+
+    parts, ok, numbers = [], True, {}
+    for name, fn, headers, what in (
+        ("TimestepNorm", bk.timestep_norm_target, bk.BANDWIDTH_HEADERS, f">= {bk.TARGET_TIMESTEP_NORM:.0%} of copy"),
+        ("CEMA", bk.cema_target, bk.BANDWIDTH_HEADERS, f">= {bk.TARGET_CEMA:g}x the FFT reference"),
+        ("attention", bk.attention_target, ["shape", "triton fwd+bwd ms", "SDPA flash fwd+bwd ms", "ratio"],
+         f"<= {bk.TARGET_ATTENTION:g}x SDPA flash"),
+    ):  # fmt: skip
+        value, passed, rows = fn()
+        ok &= passed
+        numbers[name] = value
+        shown = "-" if value is None else (f"{value:.0%}" if name == "TimestepNorm" else f"{value:.2f}x")
+        parts.append(
+            f"### {name}: {shown}, target {what}: {'PASS' if passed else 'FAIL'}\n\n{markdown_table(headers, rows)}\n"
+        )
+    return Outcome(ok, "\n".join(parts), numbers)
+
+
+# block ------------------------------------------------------------------------------------------------------
+
+BLOCK_LENGTHS = (4096, 32768)
+
+
+def _block_ms(kind: str, length: int) -> float:
+    """Median fwd+bwd time (ms) of one 7B-width block, bf16-mixed, batch 1."""
+    import torch
+    import triton.testing
+
+    from bench import block as bb
+
+    torch.manual_seed(0)
+    block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
+    x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
+    ct = torch.randn(1, length, 4096, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(ct)
+
+    return triton.testing.do_bench(step, grad_to_none=[x, *block.parameters()], return_mode="median")
+
+
+def stage_block() -> Outcome:
+    import torch
+
+    rows, ratio = [], {}
+    for length in BLOCK_LENGTHS:
+        t_m, t_l = _block_ms("megalodon", length), _block_ms("llama", length)
+        torch.cuda.empty_cache()
+        ratio[length] = t_m / t_l
+        rows.append([f"{length // 1024}K", f"{t_m:.1f}", f"{t_l:.1f}", f"{ratio[length]:.2f}"])
+        print(" | ".join(rows[-1]), flush=True)
+    ok = ratio[4096] <= 1.3 and ratio[32768] < 1.0
+    body = (
+        "One block at the 7B widths (Megalodon `megalodon_7b`: D 4096, Z 1024, E 8192, C 4096; Llama-2-7B: "
+        "D 4096, 32 heads, FFN 11008, SDPA causal), batch 1, bf16-mixed, forward + backward. Paper (whole "
+        "7B models, A100): Megalodon 6% slower at 4K (1.06), 32% faster at 32K. Pass: M/L <= 1.3 at 4K, "
+        "< 1 at 32K.\n\n"
+    )
+    return Outcome(ok, body + markdown_table(["L", "Megalodon ms", "Llama ms", "M / L"], rows), ratio)
+
+
+# listops ----------------------------------------------------------------------------------------------------
+
+LISTOPS_STEPS = 500
+TRAIN_LINE = re.compile(r"\[train\] step (\d+)(?:/\d+)?\s+loss\(mean\) ([-+\d.eEinfa]+)")
+EVAL_LINE = re.compile(r"\[eval\] step (\d+)\s+(.*)")
+
+
+def parse_progress(text: str) -> tuple[list[tuple[int, float]], list[str]]:
+    """(step, mean training loss) pairs and the eval lines from run.py's plain progress output."""
+    losses = [(int(m.group(1)), float(m.group(2))) for m in TRAIN_LINE.finditer(text)]
+    evals = [m.group(0) for m in EVAL_LINE.finditer(text)]
+    return losses, evals
+
+
+def plot_losses(losses: list[tuple[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in losses], [v for _, v in losses], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over 25 steps)")
+    ax.set_title("lra_listops, bf16-mixed, GPU")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def stage_listops(out_dir: Path = ROOT / "bench") -> Outcome:
+    cmd = [
+        _python(), "run.py", "recipe=lra_listops", "trainer.precision=bf16-mixed", f"trainer.max_steps={LISTOPS_STEPS}",
+        "trainer.accelerator=gpu", "trainer.devices=1", "trainer.progress_bar=false", "trainer.log_every_n_steps=25",
+        f"trainer.val_check_interval={LISTOPS_STEPS}", "trainer.limit_val_batches=8", "trainer.limit_test_batches=8",
+        "run_root=runs/gpu_check",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    losses, evals = parse_progress(text)
+    finite = bool(losses) and all(math.isfinite(v) for _, v in losses)
+    first = [v for s, v in losses if s <= 50]
+    last = [v for s, v in losses if s > LISTOPS_STEPS - 50]
+    learned = bool(first and last) and sum(last) / len(last) < sum(first) / len(first)
+    ok = proc.returncode == 0 and finite and learned and losses[-1][0] >= LISTOPS_STEPS
+    png = out_dir / "gpu_listops_loss.png"
+    if losses:
+        plot_losses(losses, png)
+    body = f"`{' '.join(cmd[1:])}` (exit {proc.returncode})\n\n"
+    body += markdown_table(["step", "train loss (mean)"], [[s, f"{v:.4f}"] for s, v in losses]) + "\n\n"
+    body += "\n".join(f"    {line}" for line in evals) + "\n"
+    if losses:
+        body += f"\n![loss curve]({png.name})\n"
+    if not ok:
+        body += "\nOutput tail:\n\n```\n" + text[-4000:] + "\n```\n"
+    return Outcome(ok, body, {"losses": losses})
+
+
+STAGES: list[tuple[str, float, Callable[[], Outcome]]] = [
+    ("cuda_tests", 240, stage_cuda_tests),
+    ("model_step", 180, stage_model_step),
+    ("kernels", 240, stage_kernels),
+    ("block", 120, stage_block),
+    ("listops", 360, stage_listops),
+]  # budgets (s) on one H100: 19 min in all
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _header() -> str:
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return (
+        "# GPU check (`make gpu-check`, bench/gpu_check.py)\n\n"
+        f"Device: **{torch.cuda.get_device_name(0)}** ({props.total_memory / 2**30:.0f} GiB, "
+        f"sm_{props.major}{props.minor}); torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"Triton {triton.__version__}; commit {commit.stdout.strip() or '?'}; "
+        f"{datetime.datetime.now().isoformat(timespec='minutes')}.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the Markdown report")
+    ap.add_argument("--stages", default=None, help=f"comma list, any of {', '.join(n for n, _, _ in STAGES)}")
+    args = ap.parse_args(argv)
+    if not has_nvidia_driver():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    chosen = STAGES
+    if args.stages:
+        names = args.stages.split(",")
+        unknown = [n for n in names if n not in {s[0] for s in STAGES}]
+        if unknown:
+            ap.error(f"unknown stage(s) {unknown}; expected any of {[s[0] for s in STAGES]}")
+        chosen = [s for s in STAGES if s[0] in names]
+    results = run_stages(chosen, Report(args.out, _header()))
+    failed = [r.name for r in results if not r.ok]
+    print(
+        f"\n{args.out}: {len(results) - len(failed)}/{len(results)} stages passed"
+        + (f"; failed: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

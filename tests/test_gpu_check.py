@@ -1,0 +1,108 @@
+"""bench/gpu_check.py (``make gpu-check``) as far as a CPU allows: the no-CUDA exit, the stage runner and
+its report, the stage table, the progress parsing, and the Makefile target."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(gpu_check.has_nvidia_driver(), reason="an NVIDIA driver is present")
+def test_exits_nonzero_at_once_without_cuda_and_before_importing_torch():
+    code = "import sys; from bench import gpu_check; rc = gpu_check.main([]); print('torch' in sys.modules); sys.exit(rc)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == gpu_check.NO_CUDA
+    assert "CUDA" in proc.stderr and proc.stdout.strip() == "False"  # torch never imported
+
+
+@pytest.mark.skipif(gpu_check.has_nvidia_driver(), reason="an NVIDIA driver is present")
+def test_module_entry_point_exits_nonzero_without_cuda():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_runner_writes_each_stage_as_it_ends_and_keeps_going_after_a_crash(tmp_path):
+    out = tmp_path / "GPU_RESULTS.md"
+    report = gpu_check.Report(out, "# GPU check\n\nDevice: **fake**\n")
+    seen_before_second = {}
+
+    def first():
+        return gpu_check.Outcome(True, "| a | b |\n|---|---|\n| 1 | 2 |", {"x": 1.5})
+
+    def crashing():
+        seen_before_second["text"] = out.read_text()
+        raise RuntimeError("kernel exploded")
+
+    def failing():
+        return gpu_check.Outcome(False, "ratio 1.7")
+
+    results = gpu_check.run_stages(
+        [("first", 10, first), ("crash", 20, crashing), ("slow", 30, failing)], report
+    )
+    assert [(r.name, r.ok) for r in results] == [("first", True), ("crash", False), ("slow", False)]
+    assert results[0].numbers == {"x": 1.5}
+    assert "## first: PASS" in seen_before_second["text"]  # written before the next stage started
+    text = out.read_text()
+    assert text.startswith("# GPU check") and "Device: **fake**" in text
+    assert "## crash: FAIL" in text and "RuntimeError: kernel exploded" in text
+    assert "## slow: FAIL" in text and "ratio 1.7" in text
+    assert re.search(r"\| first \| PASS \| \d+ \| 10 \|", text)
+    assert "## Summary" in text
+
+
+def test_every_stage_exists_and_the_budget_fits_twenty_minutes():
+    names = [name for name, _, _ in gpu_check.STAGES]
+    assert names == ["cuda_tests", "model_step", "kernels", "block", "listops"]
+    for name, budget, fn in gpu_check.STAGES:
+        assert fn is getattr(gpu_check, f"stage_{name}") and callable(fn) and budget > 0
+    assert sum(budget for _, budget, _ in gpu_check.STAGES) <= 20 * 60
+    from bench import block, kernels
+
+    for name in ("timestep_norm_target", "cema_target", "attention_target"):
+        assert callable(getattr(kernels, name))
+    assert callable(block.build_block) and block.LLAMA_7B["dim"] == 4096
+    for path in gpu_check.CUDA_TEST_FILES:
+        assert (ROOT / path).exists(), path
+
+
+def test_model_step_cases_build_with_valid_configs():
+    for task in ("lm", "classifier"):
+        model, inputs, loss_fn = gpu_check._model_case(task)
+        assert inputs[0].shape == (2, 4096) and callable(loss_fn)
+        assert model.cfg.chunk_size == 1024 and model.cfg.num_layers == 2
+    assert model.cfg.is_classifier
+
+
+def test_progress_lines_are_parsed_and_plotted(tmp_path):
+    text = (
+        "[train] step 25/500  loss(mean) 2.301  train/loss 2.29  lr 1e-05  0.12 s/step  ETA 1m\n"
+        "noise\n"
+        "[train] step 50/500  loss(mean) 2.1  train/acc 0.2  lr 2e-05  0.11 s/step  ETA 1m\n"
+        "[eval] step 500  val/acc 0.25  val/loss 2.0\n"
+    )
+    losses, evals = gpu_check.parse_progress(text)
+    assert losses == [(25, 2.301), (50, 2.1)]
+    assert evals == ["[eval] step 500  val/acc 0.25  val/loss 2.0"]
+    png = tmp_path / "loss.png"
+    gpu_check.plot_losses(losses, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_makefile_target_runs_the_module():
+    text = (ROOT / "Makefile").read_text()
+    rule = re.search(r"^gpu-check:(.*)\n\t(.*)$", text, re.MULTILINE)
+    assert rule, "no gpu-check target"
+    assert ".venv/.synced" in rule.group(1)
+    assert "-m bench.gpu_check" in rule.group(2)
+    assert re.search(r"^\.PHONY:.*\bgpu-check\b", text, re.MULTILINE)
