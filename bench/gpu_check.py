@@ -177,7 +177,7 @@ def _model_case(task: str):
     import torch.nn.functional as F
 
     from mega_suite import get_config
-    from mega_suite.model import build_model
+    from mega_suite.models import build_model
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
