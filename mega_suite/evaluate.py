@@ -43,13 +43,13 @@ def default_context_lengths(longest: int, start: int = 4096) -> list[int]:
 @torch.no_grad()
 def score_window(model, tokens: Tensor, segment: int) -> tuple[float, int]:
     """Total NLL of tokens[1:] given their prefix in ``tokens`` [T], streamed ``segment`` tokens at a time."""
-    cache = model.new_cache(1)
+    cache = None
     nll, count = 0.0, 0
     inputs, targets = tokens[:-1], tokens[1:]
     for start in range(0, inputs.shape[0], segment):
         x = inputs[start : start + segment].unsqueeze(0)
         y = targets[start : start + segment].unsqueeze(0)
-        hidden, cache = model.forward_hidden(x, cache)
+        hidden, cache = model.forward_hidden(x, cache, use_cache=True)
         nll += float(model.token_nll(hidden, y).sum())
         count += y.numel()
     return nll, count
@@ -66,7 +66,7 @@ def eval_context(
 ) -> list[dict]:
     """Rows {context, tokens, nll, token_ppl, word_ppl, seconds} for each context length."""
     model.eval()
-    segment = segment or model.cfg.chunk_size
+    segment = segment or model.eval_segment()
     device = next(model.parameters()).device
     rows = []
     total_tokens = sum(max(0, d.numel() - 1) for d in documents)
@@ -98,8 +98,9 @@ def eval_context(
     return rows
 
 
-def write_report(rows: list[dict], out_dir: Path, writer=None) -> tuple[Path, Path]:
-    """Markdown table + PNG plot (figure 5 style) in ``out_dir``; scalars to a TensorBoard writer if given."""
+def write_report(rows: list[dict], out_dir: Path, writer=None, note: str = "") -> tuple[Path, Path]:
+    """Markdown table + PNG plot (figure 5 style) in ``out_dir``; scalars to a TensorBoard writer if given.
+    ``note`` (how the model sees context beyond its training length) heads the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +108,8 @@ def write_report(rows: list[dict], out_dir: Path, writer=None) -> tuple[Path, Pa
 
     out_dir.mkdir(parents=True, exist_ok=True)
     key = "word_ppl" if rows and "word_ppl" in rows[0] else "token_ppl"
-    lines = ["| context | tokens scored | token ppl | word ppl | seconds |", "|---:|---:|---:|---:|---:|"]
+    lines = [note, ""] if note else []
+    lines += ["| context | tokens scored | token ppl | word ppl | seconds |", "|---:|---:|---:|---:|---:|"]
     for r in rows:
         word = f"{r['word_ppl']:.3f}" if "word_ppl" in r else "-"
         lines.append(

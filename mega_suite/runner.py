@@ -184,16 +184,6 @@ def apply_global_batch(cfg: DictConfig) -> None:
     )
 
 
-def flops_per_token(mcfg) -> float:
-    """Training matmul FLOPs per token: 6 x (non-embedding matmul parameters) + chunk attention (fwd + bwd)."""
-    d, z, e, f = mcfg.model_dim, mcfg.z_dim, mcfg.value_dim, mcfg.ffn_hidden_dim
-    block = d * z + 2 * d * e + d * d + e * d + (3 if mcfg.swiglu else 2) * d * f
-    head = d * mcfg.vocab_size
-    # Causal attention inside a chunk: on average C/2 keys per query, Q.K (Z) and P.V (E), 2 FLOPs each.
-    attention = 2 * (z + e) * mcfg.chunk_size / 2
-    return 6 * (mcfg.num_layers * block + head) + 3 * mcfg.num_layers * attention
-
-
 def build_trainer(
     cfg: DictConfig, run_dir: Path, extra_callbacks: list | None = None, flops: float = 0.0
 ) -> L.Trainer:
@@ -269,7 +259,11 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     if cfg.trainer.compile:
         module.model = torch.compile(module.model)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
-    flops = flops_per_token(mcfg) if cfg.task == "lm" else 0.0
+    flops = 0.0
+    if cfg.task == "lm":
+        from mega_suite.models import arch_of
+
+        flops = arch_of(mcfg).flops_per_token(mcfg, int(data_option(cfg, "seq_len", 0) or 0))
     trainer = build_trainer(cfg, run_dir, extra_callbacks, flops)
     if trainer.logger is not None and resume_ckpt is None:
         trainer.logger.log_hyperparams(_flatten(module.run_config))
@@ -359,7 +353,14 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
     rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
     writer = getattr(trainer.logger, "experiment", None)
-    table, plot = write_report(rows, run_dir, writer)
+    from mega_suite.models import arch_of
+
+    spec = arch_of(module.model.cfg)
+    note = f"Model: {spec.name}, {spec.streaming}"
+    if spec.name == "llama":
+        c = module.model.cfg
+        note += f" (window {c.max_seq_len}, stride {c.stride}: context beyond the window is not seen)"
+    table, plot = write_report(rows, run_dir, writer, note=note)
     print(table.read_text())
     print(f"[mega-suite] wrote {table} and {plot}")
     return {f"ppl@{r['context']}": r.get("word_ppl", r["token_ppl"]) for r in rows}

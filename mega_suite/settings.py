@@ -25,6 +25,10 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 @dataclass
 class ModelSection(MegalodonConfig):
     preset: str = "megalodon_debug"  # registry name (mega_suite.models); its values are the defaults here
+    # megalodon | llama. With llama (language models only) the run trains the Llama-2 decoder matched in
+    # parameter count to the Megalodon this section describes (mega_suite.models.llama.matched_config),
+    # its context window the data's seq_len: the paper's controlled comparison on the same recipe.
+    arch: str = "megalodon"
 
     def __post_init__(self) -> None:  # validated when the model is built, after all overrides
         pass
@@ -435,12 +439,48 @@ def _validate_trainer(cfg: DictConfig) -> None:
         tokens_per_sequence(cfg)
 
 
-def model_config(cfg: DictConfig, **updates: Any) -> MegalodonConfig:
-    """The MegalodonConfig of a run (``updates`` e.g. the data module's vocab_size / num_classes)."""
+def model_config(cfg: DictConfig, **updates: Any):
+    """The model config of a run (``updates`` e.g. the data module's vocab_size / num_classes): the
+    MegalodonConfig the model section describes, or with ``model.arch=llama`` the LlamaConfig matched to it in
+    parameter count, with the data's ``seq_len`` as its context window."""
+    from mega_suite.models import ARCHS
+
     values = OmegaConf.to_container(cfg.model, resolve=True)
     values.pop("preset", None)
+    arch = values.pop("arch")
     values.update(updates)
-    return MegalodonConfig(**values)
+    megalodon = MegalodonConfig(**values)
+    if arch not in ARCHS:
+        raise ConfigError(
+            f"model.arch={arch!r} is not a registered architecture; expected one of {sorted(ARCHS)}"
+        )
+    if arch == "megalodon":
+        return megalodon
+    return _llama_config(cfg, megalodon)
+
+
+def _llama_config(cfg: DictConfig, megalodon: MegalodonConfig):
+    import torch
+
+    from mega_suite.models import build_model, count_parameters
+    from mega_suite.models.llama import matched_config
+
+    if cfg.task != "lm" or megalodon.is_classifier:
+        raise ConfigError("model.arch=llama is a causal language model: it needs task=lm")
+    if megalodon.adaptive_cutoffs:
+        raise ConfigError(
+            "model.arch=llama has no adaptive input / softmax (model.adaptive_cutoffs, WikiText-103): use "
+            "model.arch=megalodon for this recipe"
+        )
+    seq_len = data_option(cfg, "seq_len")
+    if not seq_len:
+        raise ConfigError("model.arch=llama needs the data's seq_len (data.options.seq_len) as its window")
+    with torch.device("meta"):
+        target = count_parameters(build_model(megalodon))
+    return matched_config(
+        target, megalodon.model_dim, megalodon.vocab_size, megalodon.share_emb, max_seq_len=int(seq_len),
+        norm_eps=megalodon.norm_eps, dropout=megalodon.dropout,
+    )  # fmt: skip
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -18,11 +18,15 @@ CFG = dict(
 )  # fmt: skip
 
 
-def _build(seed: int = 0):
-    from mega_suite.models.megalodon.model import MegalodonLM
+LLAMA = dict(num_layers=2, model_dim=16, num_heads=2, ffn_hidden_dim=24, vocab_size=32, max_seq_len=32)
+
+
+def _build(seed: int = 0, arch: str = "megalodon"):
+    from mega_suite.models import build_model
+    from mega_suite.models.llama import LlamaConfig
 
     torch.manual_seed(seed)
-    return MegalodonLM(MegalodonConfig(**CFG))
+    return build_model(MegalodonConfig(**CFG) if arch == "megalodon" else LlamaConfig(**LLAMA))
 
 
 def _batch():
@@ -38,7 +42,7 @@ def _step(model, tokens, loss_scale: float = 1.0):
     opt.step()
 
 
-def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, out_path: str, arch: str = "megalodon") -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -47,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = _build()
+    model = _build(arch=arch)
     apply_fsdp(model)
     assert all(isinstance(p, DTensor) for p in model.parameters()), "apply_fsdp left parameters unsharded"
     tokens = _batch()
@@ -71,13 +75,15 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-def test_fsdp2_step_matches_single_process():
+@pytest.mark.parametrize("arch", ["megalodon", "llama"])
+def test_fsdp2_step_matches_single_process(arch):
+    """The same FSDP2 code (units and islands asked of the model) shards every registered architecture."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "state.pt")
-        mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), out, arch), nprocs=world, join=True)
         sharded = torch.load(out, weights_only=True)
-    reference = _build()
+    reference = _build(arch=arch)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
     _step(reference, _batch())
     assert set(sharded) == {n for n, _ in reference.named_parameters()}

@@ -145,3 +145,38 @@ def test_recipe_trains_two_steps_and_validates(recipe, lra, data_root, tmp_path)
         assert 0.0 <= metrics["val/acc"] <= 1.0 and 0.0 <= metrics["test/acc"] <= 1.0
     else:
         assert math.isfinite(metrics["val/loss"])
+
+
+LM_RECIPES = [r for r in list_recipes() if r in ("pg19", "pg19_small", "llm_200m", "llm_1b", "llm_7b", "kjv")]
+
+
+@pytest.mark.parametrize("recipe", LM_RECIPES)
+def test_llama_baseline_trains_on_every_lm_recipe(recipe, lra, data_root, tmp_path):
+    """model.arch=llama: the same recipe trains the Llama matched to its Megalodon, through the same CausalLM,
+    logged and checkpointed the same way (WikiText-103's adaptive softmax is Megalodon-only: a clear error)."""
+    args = [
+        f"recipe={recipe}",
+        f"run_root={tmp_path}",
+        *SMALL,
+        *overrides_for(recipe, lra.data_dir, data_root),
+    ]
+    cfg = load_config([*args, "model.arch=llama"])
+    metrics = run(cfg)
+    state = torch.load(
+        Path(metrics["run_dir"]) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
+    assert state["global_step"] == 2
+    assert any(k.endswith("attention.wq.weight") for k in state["state_dict"])
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["val/loss"])
+
+
+def test_llama_rejects_adaptive_softmax_and_classification(lra, data_root, tmp_path):
+    from mega_suite.settings import ConfigError
+
+    wt103 = ["recipe=wt103", f"run_root={tmp_path}", *SMALL, *overrides_for("wt103", lra.data_dir, data_root)]
+    with pytest.raises(ConfigError, match="adaptive"):
+        load_config([*wt103, "model.arch=llama"])
+    with pytest.raises(ConfigError, match="task=lm"):
+        load_config(["recipe=debug", f"data.data_dir={lra.data_dir}", "model.arch=llama"])
+    with pytest.raises(ConfigError, match="model.arch='gpt'"):
+        load_config(["recipe=debug", f"data.data_dir={lra.data_dir}", "model.arch=gpt"])

@@ -98,6 +98,10 @@ class Backbone(nn.Module):
         """The float32 islands (``@float32_island``): CEMA, every norm, the logits head."""
         return [m for m in self.modules() if is_float32_island(m)]
 
+    def eval_segment(self) -> int:
+        """Tokens per ``forward_hidden`` call when streaming an evaluation (bounds its memory)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
     def no_weight_decay(self) -> set[str]:
         """Names of the parameters that ``optim.no_decay_groups`` exempts from weight decay (timm's
         ``no_weight_decay``): every 1-D parameter (biases, norm scales), embeddings, and what a module lists

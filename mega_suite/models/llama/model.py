@@ -191,6 +191,9 @@ class LlamaLM(Backbone):
         self.tie_weights()
         init_all(self)
 
+    def eval_segment(self) -> int:
+        return self.cfg.stride  # one sliding-window block per call
+
     # ------------------------------------------------------------------ full passes
     def hidden_states(self, tokens: Tensor) -> Tensor:
         """[B, L <= max_seq_len] -> final normalised hidden states [B, L, D]."""

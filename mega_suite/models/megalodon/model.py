@@ -576,6 +576,9 @@ class MegalodonLM(Backbone):
                 x, _ = layer(x)
         return self.output.final_norm(x)[0]
 
+    def eval_segment(self) -> int:
+        return self.cfg.chunk_size  # one attention chunk: the streaming cache stays O(C)
+
     def new_cache(self, batch: int, window_stats: bool = False) -> StreamingCache:
         ref = self.output.final_norm.weight
         layers = []
