@@ -51,7 +51,7 @@ def items(dataset):
 
 def test_registry():
     lra = {"listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder", "lra_pathx"}
-    others = {"sc_raw", "imagenet", "wt103", "pg19", "pretrain"}
+    others = {"sc_raw", "imagenet", "wt103", "pg19", "pretrain", "kjv"}
     assert set(DATAMODULES) == lra | others
     with pytest.raises(KeyError, match="'lra_nope'.*listops.*lra_text"):
         build_datamodule("lra_nope", data_dir=".", batch_size=1)
