@@ -370,39 +370,27 @@ def main() -> None:
     modes = [False] if args.no_checkpointing else [False, True]
     res: dict[tuple[int, bool], Measurement] = {}
     res_bf16: dict[tuple[int, bool], Measurement] = {}
+    precisions = {"32-true": res, "bf16-mixed": res_bf16} if bf16 else {"32-true": res}
     for length in lengths:
         for ckpt in modes:
-            m = run_isolated(
-                bench_train,
-                args.mem_cap_gb,
-                length=length,
-                checkpointing=ckpt,
-                warmup=args.warmup,
-                repeat=args.repeat,
-            )
-            res[length, ckpt] = m
-            shown = (
-                f"{length / m.best:.0f} tok/s (best of {len(m.times)}), peak {fmt_bytes(m.peak_bytes)}, "
-                f"CPU util {m.cpu_utilisation:.2f}"
-                if m.ok
-                else f"{m.status} {m.message}"
-            )
-            print(f"  train L={fmt_length(length):>4s} ckpt={ckpt!s:5s}: {shown}", flush=True)
-            if bf16:
-                mb = run_isolated(
+            for precision, results in precisions.items():  # alternating: the two are measured side by side
+                m = run_isolated(
                     bench_train,
                     args.mem_cap_gb,
                     length=length,
                     checkpointing=ckpt,
                     warmup=args.warmup,
                     repeat=args.repeat,
-                    precision="bf16-mixed",
+                    precision=precision,
                 )
-                res_bf16[length, ckpt] = mb
+                results[length, ckpt] = m
                 shown = (
-                    f"{length / mb.best:.0f} tok/s, peak {fmt_bytes(mb.peak_bytes)}" if mb.ok else mb.status
+                    f"{length / m.best:.0f} tok/s (best of {len(m.times)}), peak {fmt_bytes(m.peak_bytes)}, "
+                    f"CPU util {m.cpu_utilisation:.2f}"
+                    if m.ok
+                    else f"{m.status} {m.message}"
                 )
-                print(f"  train L={fmt_length(length):>4s} ckpt={ckpt!s:5s} bf16-mixed: {shown}", flush=True)
+                print(f"  train L={fmt_length(length):>4s} ckpt={ckpt!s:5s} {precision}: {shown}", flush=True)
     dec = run_isolated(
         bench_decode, args.mem_cap_gb, prompt_len=args.decode_prompt, new_tokens=args.decode_tokens
     )

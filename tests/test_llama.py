@@ -181,7 +181,7 @@ def test_autocast_keeps_logits_and_norms_float32(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     norms = []
     for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
+        if type(m).__name__ == "RMSNorm":
             m.register_forward_hook(lambda m, i, o: norms.append(o.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, _ = model(tokens(2, 10))

@@ -117,6 +117,26 @@ class Backbone(nn.Module):
 
 
 @float32_island()
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · (1 + weight), weight initialised to 0 (Megalodon's plus-one convention,
+    SPEC §1); with ``plus_one=False`` · weight, initialised to 1 (Llama's). Statistics in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = True):
+        super().__init__()
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 0.0 if self.plus_one else 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype in _LOW_PRECISION else x  # bf16-true models too: float32 statistics
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (y * (1 + self.weight) if self.plus_one else y * self.weight).to(x.dtype)
+
+
+@float32_island()
 class OutputProjection(nn.Linear):
     """Hidden states -> logits without bias, computed in float32 (float64 for a float64 model) under
     autocast: the logits are not computed in bf16 and cast afterwards (SPEC §5)."""

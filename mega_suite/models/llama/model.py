@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mega_suite.models.common import Backbone, OutputProjection, float32_island, init_all, rope
+from mega_suite.models.common import Backbone, OutputProjection, RMSNorm, init_all, rope
 
 
 @dataclass
@@ -63,23 +63,6 @@ class LlamaConfig:
     @property
     def stride(self) -> int:
         return self.eval_stride or self.max_seq_len // 2
-
-
-@float32_island()
-class LlamaRMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight, statistics in float32 (float64 for a float64 model)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def _trunc_normal(weight: Tensor, std: float) -> None:
@@ -138,9 +121,9 @@ class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_index: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.attention_norm = LlamaRMSNorm(cfg.model_dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.model_dim, cfg.norm_eps, plus_one=False)
         self.attention = LlamaAttention(cfg, layer_index)
-        self.ffn_norm = LlamaRMSNorm(cfg.model_dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.model_dim, cfg.norm_eps, plus_one=False)
         self.feed_forward = LlamaFFN(cfg, layer_index)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -168,7 +151,7 @@ class LlamaLM(Backbone):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.layers = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = LlamaRMSNorm(cfg.model_dim, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.model_dim, cfg.norm_eps, plus_one=False)
         self.output = OutputProjection(cfg.model_dim, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self.tie_weights()

@@ -26,6 +26,7 @@ from kernels.timestep_norm import group_norm, merge_norm_states, timestep_norm
 from mega_suite.models.common import (
     Backbone,
     OutputProjection,
+    RMSNorm,
     float32_island,
     init_all,
     init_linear,
@@ -87,25 +88,6 @@ class TimestepNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, groups={self.num_groups}, eps={self.eps}, causal={self.causal}"
-
-
-@float32_island()
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * (1 + weight), statistics in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * (1 + self.weight)).to(x.dtype)
 
 
 @float32_island()
