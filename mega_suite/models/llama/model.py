@@ -7,8 +7,8 @@ RMSNorm(x) = x / sqrt(mean(x²) + eps) · w (w initialised to 1, Llama's convent
 attention with scale 1/sqrt(d_head) over a fixed context window (``max_seq_len``); RoPE on interleaved pairs
 (as Meta's reference code) with base 10000; no biases; embedding → blocks → final RMSNorm → output
 projection, optionally tied to the embedding. Initialisation as torchtitan's Llama: trunc-normal std 0.02 for
-the input projections, depth-scaled 0.02 / sqrt(2 (layer + 1)) for W_o, W_2, W_3, N(0, 1) embeddings
-(N(0, 1/D) when tied, since the same matrix is then also the output layer) and D^-1/2 for the output.
+the input projections, depth-scaled 0.02 / sqrt(2 (layer + 1)) for W_o, W_2, W_3, N(0, 1) embeddings and
+D^-1/2 for the output; tied, the one matrix gets GPT-2's std 0.02.
 
 Beyond its window a Transformer has no state: streaming evaluation (``forward_hidden`` with a cache, as
 ``CausalLM`` and ``mode=eval_context`` call it) scores each token with a **sliding window**: a segment is cut
@@ -164,7 +164,10 @@ class LlamaLM(Backbone):
     def reset_parameters(self) -> None:
         d = self.cfg.model_dim
         if self.cfg.share_emb:
-            _trunc_normal(self.embed.weight, d**-0.5)
+            # GPT-2 / nanoGPT's tied init: with small residual branches at init the last hidden state is
+            # nearly the input token's own embedding, so a larger std gives that token a logit of
+            # ~sqrt(D) * |row| (initial loss 13.9 instead of ln V = 8.3 at D 256 with std D^-1/2).
+            _trunc_normal(self.embed.weight, 0.02)
         else:
             nn.init.normal_(self.embed.weight, 0.0, 1.0)
             _trunc_normal(self.output.weight, d**-0.5)
