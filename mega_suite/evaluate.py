@@ -17,18 +17,28 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 
-def documents_from_segments(loader: Iterable[dict]) -> Iterator[Tensor]:
-    """Re-assemble whole documents [T] from a streaming eval loader ({"input", "target", "first_segment"})."""
+def documents_from_segments(loader: Iterable[dict], words: list[int] | None = None) -> Iterator[Tensor]:
+    """Re-assemble whole documents [T] from a streaming eval loader ({"input", "target", "first_segment"}).
+
+    With ``words`` (a list) and segments that carry ``"words"`` (the words each segment completes), each
+    yielded document's word count is appended to it, so a subset of the documents has its own count.
+    """
     parts: list[Tensor] = []
+    count = 0
     for batch in loader:
         if bool(batch["first_segment"].any()) and parts:
+            if words is not None:
+                words.append(count)
             yield torch.cat(parts)
-            parts = []
+            parts, count = [], 0
         if not parts:
             parts.append(batch["input"][0, :1])
         target = batch["target"][0]
         parts.append(target[target != -100])
+        count += int(batch["words"].sum()) if "words" in batch else 0
     if parts:
+        if words is not None:
+            words.append(count)
         yield torch.cat(parts)
 
 

@@ -340,8 +340,8 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
     else:
         print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
     dm.setup("validate")
-    docs = []
-    for doc in documents_from_segments(dm.val_dataloader()):
+    docs, doc_words = [], []
+    for doc in documents_from_segments(dm.val_dataloader(), doc_words):
         docs.append(doc)
         if cfg.eval_max_documents and len(docs) >= cfg.eval_max_documents:
             break
@@ -349,7 +349,8 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
         raise ValueError("eval_context: the validation split has no documents")
     longest = max(d.numel() for d in docs)
     lengths = list(cfg.eval_context_lengths) or default_context_lengths(longest)
-    words = (getattr(dm, "num_words", None) or {}).get("val") if not cfg.eval_max_documents else None
+    # Words of the documents evaluated (all of them, or the first eval_max_documents).
+    words = sum(doc_words[: len(docs)]) or (getattr(dm, "num_words", None) or {}).get("val")
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
     rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
     writer = getattr(trainer.logger, "experiment", None)

@@ -224,3 +224,13 @@ def test_pg19_small_recipe_limited_validation_is_consistent_with_full(tmp_path):
     words = sum(_complete_words(dm.tokenizer, texts["validation"][b], n) for b, n in zip(books, per_book))
     assert part["val/word_ppl"] == pytest.approx(math.exp(nll / words), rel=1e-4)
     assert 0.5 < part["val/word_ppl"] / full["val/word_ppl"] < 2.0
+
+
+def test_documents_carry_their_own_word_counts(pg19_dm):
+    """eval_context over the first N documents divides by those documents' words, not the split's."""
+    dm, texts = pg19_dm
+    words: list[int] = []
+    docs = list(documents_from_segments(dm.val_dataloader(), words))
+    assert len(words) == len(docs) >= 2
+    assert sum(words) == dm.num_words["val"]
+    assert sorted(words) == sorted(len(t.split()) for t in texts["validation"].values())
