@@ -1,0 +1,204 @@
+"""Chunk parallelism (SPEC §8) on CPU over gloo: P ranks holding chunk-aligned slices of the same sequences
+give the logits, the whole-sequence mean loss and the gradients (every parameter, every rank's input
+embeddings) of the single-process full pass; one long document split across ranks gives the streaming NLL."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mega_suite.chunk_parallel import (
+    ChunkParallelContext,
+    _h0_term,
+    global_mean_loss,
+    reduce_gradients,
+    slice_batch,
+    slice_bounds,
+    slice_norm_stats,
+)
+from mega_suite.models.megalodon.config import MegalodonConfig
+from mega_suite.models.megalodon.model import MegalodonLM
+
+CFG = dict(
+    num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=24, swiglu=True,
+    cema_ndim=4, norm_num_groups=4, chunk_size=4, vocab_size=23,
+)  # fmt: skip
+EOS = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _packed_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    """Padding-free packed documents: a token stream with EOS between documents, cut into length + 1."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(1, CFG["vocab_size"], (batch, length + 1), generator=g)
+    seq[torch.rand(batch, length + 1, generator=g) < 0.15] = EOS  # document boundaries anywhere
+    return {"input": seq[:, :-1], "target": seq[:, 1:]}
+
+
+def _model(dtype: torch.dtype) -> MegalodonLM:
+    torch.manual_seed(0)
+    model = MegalodonLM(MegalodonConfig(**CFG)).to(dtype)
+    with torch.no_grad():  # non-trivial norm affine and a large input mean stress the merge
+        for name, p in model.named_parameters():
+            if name.endswith(("timenorm.bias", "final_norm.bias")):
+                p.add_(torch.randn_like(p) * 0.5 + 3.0)
+    return model
+
+
+def _step(model: MegalodonLM, batch: dict, cp: ChunkParallelContext | None = None):
+    """Loss, logits, parameter gradients and the gradient of the input embeddings of one step."""
+    model.zero_grad(set_to_none=True)
+    embedded = []
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        embedded.append(out)
+
+    handle = model.embed.register_forward_hook(keep)
+    try:
+        if cp is None:
+            hidden, _ = model.forward_hidden(batch["input"])
+            loss = model.token_nll(hidden, batch["target"]).sum() / batch["target"].numel()
+        else:
+            with cp.attached(model):
+                hidden, _ = model.forward_hidden(batch["input"])
+                nll = model.token_nll(hidden, batch["target"]).sum()
+                loss = global_mean_loss(nll, torch.tensor(batch["target"].numel()), cp)
+                loss.backward()
+            reduce_gradients(model, cp)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=cp.group)
+    finally:
+        handle.remove()
+    if cp is None:
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), model.logits(hidden).detach(), grads, embedded[0].grad.detach().clone()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _train_worker(rank: int, world: int, port: int, dtype_name: str, checkpointing: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        dtype = getattr(torch, dtype_name)
+        tol = 1e-10 if dtype == torch.float64 else 1e-4
+        model = _model(dtype)
+        model.gradient_checkpointing = checkpointing
+        batch = _packed_batch(2, 8 * world, seed=1)
+        ref_loss, ref_logits, ref_grads, ref_embed = _step(model, batch)
+        start, stop = slice_bounds(batch["input"].shape[1], world, CFG["chunk_size"])[rank]
+        mine = slice_batch(batch, rank, world, CFG["chunk_size"])
+        for mode in ("parallel", "sequential"):
+            cp = ChunkParallelContext.from_group(None, mode=mode)
+            loss, logits, grads, embed = _step(model, mine, cp)
+            where = f"rank {rank}/{world} {mode} {dtype_name}"
+            assert _rel(loss, ref_loss) <= tol, f"{where}: loss {loss} vs {ref_loss}"
+            assert _rel(logits, ref_logits[:, start:stop]) <= tol, f"{where}: logits"
+            assert _rel(embed, ref_embed[:, start:stop]) <= tol, f"{where}: input-embedding gradient"
+            assert grads.keys() == ref_grads.keys()
+            for name, g in grads.items():
+                assert _rel(g, ref_grads[name]) <= tol, (
+                    f"{where}: grad {name} off by {_rel(g, ref_grads[name])}"
+                )
+            assert cp.stats.bytes_sent > 0 or world == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _eval_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = _model(torch.float64).eval()
+        doc = _packed_batch(
+            1, 37, seed=2
+        )  # 37 tokens: uneven slices, the last one not chunk-aligned at its end
+        with torch.no_grad():
+            hidden, _ = model.forward_hidden(doc["input"], use_cache=True)  # the single-rank streaming pass
+            ref = model.token_nll(hidden, doc["target"]).sum()
+            bounds = slice_bounds(37, world, CFG["chunk_size"], even=False)
+            start, stop = bounds[rank]
+            for mode in ("parallel", "sequential"):
+                cp = ChunkParallelContext.from_group(None, mode=mode, lengths=[b - a for a, b in bounds])
+                with cp.attached(model):
+                    hidden, _ = model.forward_hidden(doc["input"][:, start:stop])
+                nll = model.token_nll(hidden, doc["target"][:, start:stop]).sum()
+                dist.all_reduce(nll)
+                assert _rel(nll, ref) <= 1e-10, f"rank {rank}/{world} {mode}: eval NLL {nll} vs stream {ref}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_float64_equals_full_pass(world):
+    mp.spawn(_train_worker, args=(world, _free_port(), "float64", False), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+def test_float32_with_checkpointing_equals_full_pass():
+    mp.spawn(_train_worker, args=(2, _free_port(), "float32", True), nprocs=2, join=True)
+
+
+def test_eval_document_split_equals_streaming():
+    mp.spawn(_eval_worker, args=(3, _free_port()), nprocs=3, join=True)
+
+
+# ------------------------------------------------------------------ single-process pieces, against oracles
+
+
+def test_slice_stats_merge_to_the_statistics_of_the_concatenation():
+    from kernels.timestep_norm import merge_norm_states
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 11, 8, dtype=torch.float64) * 3 + 50
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[1, 2:5] = True
+    a = slice_norm_stats(x[:, :4], 2, pad[:, :4])
+    b = slice_norm_stats(x[:, 4:], 2, pad[:, 4:])
+    n, m, v = merge_norm_states(a, b)
+    xg = x.view(2, 11, 2, 4)
+    for row in range(2):
+        keep = xg[row][~pad[row]]  # [valid steps, G, 4]
+        assert n[row] == keep.shape[0]
+        for grp in range(2):
+            vals = keep[:, grp].flatten()
+            assert torch.allclose(m[row, grp], vals.mean(), rtol=1e-13)
+            assert torch.allclose(v[row, grp], vals.var(unbiased=False), rtol=1e-12)
+
+
+def test_h0_term_matches_direct_powers():
+    torch.manual_seed(0)
+    d, n, length = 3, 4, 23
+    q = torch.polar(
+        torch.rand(d, n, dtype=torch.float64) * 0.5 + 0.45, torch.rand(d, n, dtype=torch.float64) * 6
+    )
+    c = torch.randn(2, d, n, dtype=torch.complex128)
+    got = _h0_term(c, torch.log(q), length)  # [B, L, D]
+    t = torch.arange(length, dtype=torch.float64)
+    want = (c[:, None] * q[None, None] ** t.view(1, -1, 1, 1).to(torch.complex128)).real.sum(-1)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_slice_bounds_reject_unaligned_lengths():
+    assert slice_bounds(16, 2, 4) == [(0, 8), (8, 16)]
+    assert slice_bounds(37, 3, 4, even=False) == [(0, 16), (16, 32), (32, 37)]
+    with pytest.raises(ValueError, match="multiple of chunk_parallel"):
+        slice_bounds(20, 2, 4)
+    with pytest.raises(ValueError, match="cannot give each"):
+        slice_bounds(9, 4, 4, even=False)
