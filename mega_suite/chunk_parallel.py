@@ -254,7 +254,8 @@ def _method(module: nn.Module, length: int) -> str:
 
 
 class _AllGather(torch.autograd.Function):
-    """t [...] -> [P, ...] (every rank's t); backward: all-reduce the gradient, keep this rank's row."""
+    """t [...] -> [P, ...] (every rank's t); backward: the sum over ranks of the gradient of row r goes to
+    rank r (reduce-scatter on NCCL; all-reduce then this rank's row on gloo)."""
 
     @staticmethod
     def forward(ctx, cp: ChunkParallelContext, t: Tensor) -> Tensor:
@@ -265,8 +266,14 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         cp = ctx.cp
         grad = grad.contiguous()
+        if dist.get_backend(cp.group) == dist.Backend.NCCL:  # gloo has no reduce-scatter
+            mine = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(mine, grad, group=cp.group)
+            cp.stats.bytes_sent += _nbytes(mine) * (cp.world - 1)
+            cp.stats.bytes_received += _nbytes(mine) * (cp.world - 1)
+            return None, mine
         dist.all_reduce(grad, group=cp.group)
-        cp.stats.bytes_sent += _nbytes(grad)
+        cp.stats.bytes_sent += _nbytes(grad)  # counted as if by a ring all-reduce: ~2(P-1)/P of the tensor
         cp.stats.bytes_received += _nbytes(grad)
         return None, grad[cp.rank]
 
