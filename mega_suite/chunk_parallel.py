@@ -149,7 +149,11 @@ class ChunkParallelContext:
         if self.mode == "sequential":
             return self._norm_sequential(norm, x, padding_mask)
         n, m, v = slice_norm_stats(x, norm.num_groups, padding_mask)
-        counts = self._gather_plain(n)  # [P, B]
+        if padding_mask is None:  # every step counts: the counts are the slice lengths, no exchange needed
+            lengths = torch.tensor(self._lengths(x.shape[1]), dtype=n.dtype, device=n.device)
+            counts = lengths[:, None].expand(-1, n.shape[0])
+        else:
+            counts = self._gather_plain(n)  # [P, B]
         mv = _AllGather.apply(self, torch.stack([m, v]))  # [P, 2, B, G]
         acc = torch.float64
         ranks = torch.arange(self.world, device=x.device)
@@ -273,8 +277,9 @@ class _AllGather(torch.autograd.Function):
             cp.stats.bytes_received += _nbytes(mine) * (cp.world - 1)
             return None, mine
         dist.all_reduce(grad, group=cp.group)
-        cp.stats.bytes_sent += _nbytes(grad)  # counted as if by a ring all-reduce: ~2(P-1)/P of the tensor
-        cp.stats.bytes_received += _nbytes(grad)
+        ring = _nbytes(grad) * 2 * (cp.world - 1) // cp.world  # what a ring all-reduce sends (and receives)
+        cp.stats.bytes_sent += ring
+        cp.stats.bytes_received += ring
         return None, grad[cp.rank]
 
 

@@ -118,6 +118,7 @@ def _train_worker(rank: int, world: int, port: int, dtype_name: str, checkpointi
             assert cp.stats.bytes_sent > 0 or world == 1
         if dtype == torch.float64:
             _eval_document(model, rank, world)
+            _padded_layers(model, rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -139,6 +140,35 @@ def _eval_document(model: MegalodonLM, rank: int, world: int) -> None:
             nll = model.token_nll(hidden, doc["target"][:, start:stop]).sum()
             dist.all_reduce(nll)
             assert _rel(nll, ref) <= 1e-10, f"rank {rank}/{world} {mode}: eval NLL {nll} vs stream {ref}"
+
+
+def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
+    """With a padding mask (padded steps leave the norm state unchanged, CEMA still decays over them) the
+    sliced TimestepNorm and CEMA give the full pass's outputs and input gradients."""
+    layer = model.layers[0].mega
+    g = torch.Generator().manual_seed(3)
+    length = 4 * world
+    x = (torch.randn(2, length, 16, generator=g, dtype=torch.float64) * 2 + 5).requires_grad_()
+    pad = torch.rand(2, length, generator=g) < 0.3
+    pad[1, : length // 2 + 1] = True  # row 1: whole early slices are padding
+    cot = torch.randn(2, length, 16, generator=g, dtype=torch.float64)
+
+    def run(xs, mask):
+        y, _ = layer.timenorm(xs, padding_mask=mask)
+        z, _ = layer.cema(y, padding_mask=mask)
+        return z
+
+    ref = run(x, pad)
+    (ref_gx,) = torch.autograd.grad((ref * cot).sum(), x)
+    start, stop = slice_bounds(length, world, CFG["chunk_size"])[rank]
+    xs = x.detach()[:, start:stop].requires_grad_()
+    for mode in ("parallel", "sequential"):
+        cp = ChunkParallelContext.from_group(None, mode=mode)
+        with cp.attached(model):
+            out = run(xs, pad[:, start:stop])
+            (gx,) = torch.autograd.grad((out * cot[:, start:stop]).sum(), xs)
+        assert _rel(out, ref[:, start:stop]) <= 1e-10, f"rank {rank}/{world} {mode}: padded output"
+        assert _rel(gx, ref_gx[:, start:stop]) <= 1e-10, f"rank {rank}/{world} {mode}: padded input gradient"
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
