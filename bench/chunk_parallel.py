@@ -6,7 +6,8 @@ gradient sum over the group; the time is the median of the timed steps on rank 0
 the step, and every rank waits on the collectives). Memory: VmHWM over the steps - VmRSS after the model and
 the batch are built (activations and gradients of a step, allocator slack), the max over ranks. Bytes: payload sent by one rank in a
 step (forward and backward), all layers (2 exchanges per block + the final norm), and per block.
-"Blocked" is the time rank P-1 (sequential: the longest chain) spends waiting in point-to-point receives.
+"Blocked" is the time the last rank spends inside blocking communication (receives, all-gathers,
+all-reduces: mostly waiting for the other ranks), median over the timed steps.
 
     PYTHONPATH=. .venv/bin/python bench/chunk_parallel.py --markdown
 """
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, port: int, mode: str, total: int, steps: int,
         times.append(time.perf_counter() - start)
         if cp is not None:
             sent.append(cp.stats.bytes_sent)
-            blocked.append(cp.stats.recv_wait_s)
+            blocked.append(cp.stats.wait_s)
     peak = _status("VmHWM") - base
     out.put((rank, statistics.median(times), peak, max(sent, default=0), statistics.median(blocked or [0.0])))
     dist.barrier()
@@ -138,7 +139,7 @@ def main() -> None:
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")  # fmt: skip
         print(
             "| scaling | P | mode | total L | L per rank | step (s) | peak mem/rank (MiB) | sent/rank/step "
-            "(KiB) | per block (KiB) | blocked in recv (s) |"
+            "(KiB) | per block (KiB) | last rank blocked in comm (s) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in results:

@@ -61,16 +61,17 @@ _TAG_SPACE = 1 << 20
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent and received (payloads only) and seconds spent blocked in point-to-point recv."""
+    """Bytes this rank sent and received (payloads; all-reduce counted as a ring's 2(P-1)/P of the tensor)
+    and seconds spent inside blocking communication (waiting for the other ranks included)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
-    recv_wait_s: float = 0.0
+    wait_s: float = 0.0
     calls: int = 0
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_received = self.calls = 0
-        self.recv_wait_s = 0.0
+        self.wait_s = 0.0
 
 
 @dataclass
@@ -228,7 +229,9 @@ class ChunkParallelContext:
 
     def _gather_plain(self, t: Tensor) -> Tensor:
         out = [torch.empty_like(t) for _ in range(self.world)]
+        start = time.perf_counter()
         dist.all_gather(out, t.contiguous(), group=self.group)
+        self.stats.wait_s += time.perf_counter() - start
         self.stats.bytes_received += _nbytes(t) * (self.world - 1)
         self.stats.bytes_sent += _nbytes(t) * (self.world - 1)
         return torch.stack(out)
@@ -240,7 +243,7 @@ class ChunkParallelContext:
     def _recv(self, t: Tensor, rank: int, tag: int) -> Tensor:
         start = time.perf_counter()
         dist.recv(t, self._peer(rank), group=self.group, tag=tag)
-        self.stats.recv_wait_s += time.perf_counter() - start
+        self.stats.wait_s += time.perf_counter() - start
         self.stats.bytes_received += _nbytes(t)
         return t
 
@@ -276,7 +279,9 @@ class _AllGather(torch.autograd.Function):
             cp.stats.bytes_sent += _nbytes(mine) * (cp.world - 1)
             cp.stats.bytes_received += _nbytes(mine) * (cp.world - 1)
             return None, mine
+        start = time.perf_counter()
         dist.all_reduce(grad, group=cp.group)
+        cp.stats.wait_s += time.perf_counter() - start
         ring = _nbytes(grad) * 2 * (cp.world - 1) // cp.world  # what a ring all-reduce sends (and receives)
         cp.stats.bytes_sent += ring
         cp.stats.bytes_received += ring
@@ -332,8 +337,11 @@ def slice_norm_stats(x: Tensor, num_groups: int, padding_mask: Tensor | None = N
     valid = (
         torch.ones(b, length, dtype=torch.bool, device=x.device) if padding_mask is None else ~padding_mask
     )
-    w = valid.to(sdt)[:, :, None, None]
     count = valid.sum(1)
+    if padding_mask is None:
+        var, mean = torch.var_mean(xg, dim=(1, 3), unbiased=False)
+        return count, mean, var
+    w = valid.to(sdt)[:, :, None, None]
     elems = (count.to(sdt) * (d // num_groups)).clamp(min=1)[:, None]
     mean = (xg * w).sum((1, 3)) / elems
     var = ((xg - mean[:, None, :, None]).square() * w).sum((1, 3)) / elems
