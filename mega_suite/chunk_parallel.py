@@ -158,9 +158,8 @@ class ChunkParallelContext:
         mv = _AllGather.apply(self, torch.stack([m, v]))  # [P, 2, B, G]
         acc = torch.float64
         ranks = torch.arange(self.world, device=x.device)
-        before = (ranks < self.rank).to(
-            counts.dtype
-        )  # exclusive prefix, masked so every rank runs the same ops
+        # The exclusive prefix is masked, not sliced, so that every rank runs the same operations.
+        before = (ranks < self.rank).to(counts.dtype)
         state = (torch.zeros_like(n), torch.zeros_like(m, dtype=acc), torch.ones_like(v, dtype=acc))
         for s in range(self.world):
             part = (counts[s] * before[s], mv[s, 0].to(acc), mv[s, 1].to(acc))
@@ -430,7 +429,9 @@ def slice_batch(batch: dict, rank: int, world: int, chunk_size: int) -> dict:
 def global_mean_loss(nll_sum: Tensor, count: Tensor, cp: ChunkParallelContext) -> Tensor:
     """This rank's share of the mean NLL over the whole sequence: nll_sum / (tokens of all ranks).
 
-    Summing it (and its gradients) over the group gives the full-sequence mean and its gradient.
+    Summing it (and its gradients) over the group gives the full-sequence mean and its gradient. DDP and
+    FSDP2 average gradients over their mesh instead of summing: over a (dp x cp) mesh, multiply this loss by
+    P (or set the FSDP gradient divide factor to dp) to get the mean over the data-parallel sequences.
     """
     total = count.detach().to(torch.float64 if nll_sum.dtype == torch.float64 else torch.float32).clone()
     dist.all_reduce(total, group=cp.group)
