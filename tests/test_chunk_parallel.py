@@ -225,3 +225,14 @@ def test_slice_bounds_reject_unaligned_lengths():
         slice_bounds(20, 2, 4)
     with pytest.raises(ValueError, match="cannot give each"):
         slice_bounds(9, 4, 4, even=False)
+
+
+def test_context_rejects_bad_settings():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ChunkParallelContext(None, 0, 2, mode="pipeline")
+    with pytest.raises(ValueError, match="outside the group"):
+        ChunkParallelContext(None, 2, 2)
+    cp = ChunkParallelContext(None, 1, 2, lengths=(8, 5))
+    assert cp.offset(5) == 8
+    with pytest.raises(ValueError, match="got a slice of 4 tokens, its context says 5"):
+        cp.offset(4)
