@@ -7,7 +7,8 @@ the step, and every rank waits on the collectives). Memory: VmHWM over the steps
 the batch are built (activations and gradients of a step, allocator slack), the max over ranks. Bytes: payload sent by one rank in a
 step (forward and backward), all layers (2 exchanges per block + the final norm), and per block.
 "Blocked" is the time the last rank spends inside blocking communication (receives, all-gathers,
-all-reduces: mostly waiting for the other ranks), median over the timed steps.
+all-reduces: mostly waiting for the other ranks), median over the timed steps. "CPU s" is the process CPU
+time of a step (all threads), the max over ranks: the work, whatever the contention for the cores.
 
     PYTHONPATH=. .venv/bin/python bench/chunk_parallel.py --markdown
 """
@@ -77,19 +78,21 @@ def _worker(rank: int, world: int, port: int, mode: str, total: int, steps: int,
     base = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak is that of the steps
     step()  # warm-up
-    times, sent, blocked = [], [], []
+    times, cpu, sent, blocked = [], [], [], []
     for _ in range(steps):
         if cp is not None:
             cp.stats.reset()
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         if cp is not None:
             sent.append(cp.stats.bytes_sent)
             blocked.append(cp.stats.wait_s)
     peak = _status("VmHWM") - base
-    out.put((rank, statistics.median(times), peak, max(sent, default=0), statistics.median(blocked or [0.0])))
+    med = statistics.median
+    out.put((rank, med(times), peak, max(sent, default=0), med(blocked or [0.0]), med(cpu)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -110,7 +113,7 @@ def run(world: int, mode: str, total: int, steps: int) -> dict:
     return dict(
         world=world, mode=mode if world > 1 else "-", total=total, per_rank=total // world,
         step_s=rows[0][1], peak_mib=max(r[2] for r in rows) / 2**20, sent_kib=rows[0][3] / 1024,
-        per_block_kib=rows[0][3] / 1024 / layers, blocked_s=rows[-1][4],
+        per_block_kib=rows[0][3] / 1024 / layers, blocked_s=rows[-1][4], cpu_s=max(r[5] for r in rows),
     )  # fmt: skip
 
 
@@ -139,13 +142,13 @@ def main() -> None:
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")  # fmt: skip
         print(
             "| scaling | P | mode | total L | L per rank | step (s) | peak mem/rank (MiB) | sent/rank/step "
-            "(KiB) | per block (KiB) | last rank blocked in comm (s) |"
+            "(KiB) | per block (KiB) | last rank blocked in comm (s) | CPU s/rank (max) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             print(f"| {r['scaling']} | {r['world']} | {r['mode']} | {r['total']} | {r['per_rank']} | "
                   f"{r['step_s']:.3f} | {r['peak_mib']:.0f} | {r['sent_kib']:.1f} | {r['per_block_kib']:.1f} | "
-                  f"{r['blocked_s']:.3f} |")  # fmt: skip
+                  f"{r['blocked_s']:.3f} | {r['cpu_s']:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
