@@ -55,6 +55,8 @@ class TimestepNorm(nn.Module):
     count 0, which is the same thing while the count is 0.
     """
 
+    chunk_parallel = None  # a mega_suite.chunk_parallel.ChunkParallelContext while attached
+
     def __init__(self, dim: int, num_groups: int, eps: float = 1e-5, causal: bool = True):
         super().__init__()
         self.dim, self.num_groups, self.eps, self.causal = dim, num_groups, eps, causal
@@ -84,6 +86,8 @@ class TimestepNorm(nn.Module):
     ) -> tuple[Tensor, NormState | None]:
         if not self.causal:
             return group_norm(x, self.weight, self.bias, self.num_groups, self.eps, padding_mask), None
+        if state is None and self.chunk_parallel is not None:  # x is one rank's slice (SPEC §8)
+            return self.chunk_parallel.timestep_norm(self, x, padding_mask)
         return timestep_norm(x, self.weight, self.bias, self.num_groups, self.eps, state, padding_mask)
 
     def extra_repr(self) -> str:
@@ -110,6 +114,7 @@ class ComplexEMA(nn.Module):
     """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
 
     no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
+    chunk_parallel = None  # a mega_suite.chunk_parallel.ChunkParallelContext while attached
 
     def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
         super().__init__()
@@ -156,6 +161,8 @@ class ComplexEMA(nn.Module):
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: [B, L, D] -> (y [B, L, D], h_last [B, D, N] complex or None)."""
+        if h0 is None and self.chunk_parallel is not None:  # x is one rank's slice (SPEC §8)
+            return self.chunk_parallel.cema(self, x, padding_mask, return_state)
         p, q, gamma = self.coefficients()
         method = "sequential" if (h0 is not None or return_state) and x.shape[1] <= 16 else self.method
         return cema(

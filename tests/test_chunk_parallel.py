@@ -1,0 +1,284 @@
+"""Chunk parallelism (SPEC §8) on CPU over gloo: P ranks holding chunk-aligned slices of the same sequences
+give the logits, the whole-sequence mean loss and the gradients (every parameter, every rank's input
+embeddings) of the single-process full pass; one long document split across ranks gives the streaming NLL."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mega_suite.chunk_parallel import (
+    ChunkParallelContext,
+    _h0_term,
+    global_mean_loss,
+    reduce_gradients,
+    slice_batch,
+    slice_bounds,
+    slice_norm_stats,
+)
+from mega_suite.models.megalodon.config import MegalodonConfig
+from mega_suite.models.megalodon.model import MegalodonLM
+
+CFG = dict(
+    num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=24, swiglu=True,
+    cema_ndim=4, norm_num_groups=4, chunk_size=4, vocab_size=23,
+)  # fmt: skip
+EOS = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _packed_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    """Padding-free packed documents: a token stream with EOS between documents, cut into length + 1."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(1, CFG["vocab_size"], (batch, length + 1), generator=g)
+    seq[torch.rand(batch, length + 1, generator=g) < 0.15] = EOS  # document boundaries anywhere
+    return {"input": seq[:, :-1], "target": seq[:, 1:]}
+
+
+def _model(dtype: torch.dtype) -> MegalodonLM:
+    torch.manual_seed(0)
+    model = MegalodonLM(MegalodonConfig(**CFG)).to(dtype)
+    with torch.no_grad():  # non-trivial norm affine and a large input mean stress the merge
+        for name, p in model.named_parameters():
+            if name.endswith(("timenorm.bias", "final_norm.bias")):
+                p.add_(torch.randn_like(p) * 0.5 + 3.0)
+    return model
+
+
+def _step(model: MegalodonLM, batch: dict, cp: ChunkParallelContext | None = None):
+    """Loss, logits, parameter gradients and the gradient of the input embeddings of one step."""
+    model.zero_grad(set_to_none=True)
+    embedded = []
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        embedded.append(out)
+
+    handle = model.embed.register_forward_hook(keep)
+    try:
+        if cp is None:
+            hidden, _ = model.forward_hidden(batch["input"])
+            loss = model.token_nll(hidden, batch["target"]).sum() / batch["target"].numel()
+        else:
+            with cp.attached(model):
+                hidden, _ = model.forward_hidden(batch["input"])
+                nll = model.token_nll(hidden, batch["target"]).sum()
+                loss = global_mean_loss(nll, torch.tensor(batch["target"].numel()), cp)
+                loss.backward()
+            reduce_gradients(model, cp)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=cp.group)
+    finally:
+        handle.remove()
+    if cp is None:
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), model.logits(hidden).detach(), grads, embedded[0].grad.detach().clone()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _train_worker(rank: int, world: int, port: int, dtype_name: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        dtype = getattr(torch, dtype_name)
+        tol = 1e-10 if dtype == torch.float64 else 1e-4
+        model = _model(dtype)
+        batch = _packed_batch(2, 8 * world, seed=1)
+        ref_loss, ref_logits, ref_grads, ref_embed = _step(model, batch)
+        start, stop = slice_bounds(batch["input"].shape[1], world, CFG["chunk_size"])[rank]
+        mine = slice_batch(batch, rank, world, CFG["chunk_size"])
+        for mode in ("parallel", "sequential"):
+            cp = ChunkParallelContext.from_group(None, mode=mode)
+            loss, logits, grads, embed = _step(model, mine, cp)
+            where = f"rank {rank}/{world} {mode} {dtype_name}"
+            assert _rel(loss, ref_loss) <= tol, f"{where}: loss {loss} vs {ref_loss}"
+            assert _rel(logits, ref_logits[:, start:stop]) <= tol, f"{where}: logits"
+            assert _rel(embed, ref_embed[:, start:stop]) <= tol, f"{where}: input-embedding gradient"
+            assert grads.keys() == ref_grads.keys()
+            for name, g in grads.items():
+                assert _rel(g, ref_grads[name]) <= tol, (
+                    f"{where}: grad {name} off by {_rel(g, ref_grads[name])}"
+                )
+            assert cp.stats.bytes_sent > 0 or world == 1
+        if dtype == torch.float64:
+            _eval_document(model, rank, world)
+            _padded_layers(model, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _eval_document(model: MegalodonLM, rank: int, world: int) -> None:
+    """One document of 37 tokens split unevenly across the ranks (world 4: the last slice is 1 token) gives
+    the NLL of the single-rank streaming pass."""
+    model.eval()
+    doc = _packed_batch(1, 37, seed=2)
+    with torch.no_grad():
+        hidden, _ = model.forward_hidden(doc["input"], use_cache=True)
+        ref = model.token_nll(hidden, doc["target"]).sum()
+        bounds = slice_bounds(37, world, CFG["chunk_size"], even=False)
+        start, stop = bounds[rank]
+        for mode in ("parallel", "sequential"):
+            cp = ChunkParallelContext.from_group(None, mode=mode, lengths=[b - a for a, b in bounds])
+            with cp.attached(model):
+                hidden, _ = model.forward_hidden(doc["input"][:, start:stop])
+            nll = model.token_nll(hidden, doc["target"][:, start:stop]).sum()
+            dist.all_reduce(nll)
+            assert _rel(nll, ref) <= 1e-10, f"rank {rank}/{world} {mode}: eval NLL {nll} vs stream {ref}"
+
+
+def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
+    """With a padding mask (padded steps leave the norm state unchanged, CEMA still decays over them) the
+    sliced TimestepNorm and CEMA give the full pass's outputs and input gradients."""
+    layer = model.layers[0].mega
+    g = torch.Generator().manual_seed(3)
+    length = 4 * world
+    x = (torch.randn(2, length, 16, generator=g, dtype=torch.float64) * 2 + 5).requires_grad_()
+    pad = torch.rand(2, length, generator=g) < 0.3
+    pad[1, : length // 2 + 1] = True  # row 1: whole early slices are padding
+    cot = torch.randn(2, length, 16, generator=g, dtype=torch.float64)
+
+    def run(xs, mask):
+        y, _ = layer.timenorm(xs, padding_mask=mask)
+        z, _ = layer.cema(y, padding_mask=mask)
+        return z
+
+    ref = run(x, pad)
+    (ref_gx,) = torch.autograd.grad((ref * cot).sum(), x)
+    start, stop = slice_bounds(length, world, CFG["chunk_size"])[rank]
+    xs = x.detach()[:, start:stop].requires_grad_()
+    for mode in ("parallel", "sequential"):
+        cp = ChunkParallelContext.from_group(None, mode=mode)
+        with cp.attached(model):
+            out = run(xs, pad[:, start:stop])
+            (gx,) = torch.autograd.grad((out * cot[:, start:stop]).sum(), xs)
+        assert _rel(out, ref[:, start:stop]) <= 1e-10, f"rank {rank}/{world} {mode}: padded output"
+        assert _rel(gx, ref_gx[:, start:stop]) <= 1e-10, f"rank {rank}/{world} {mode}: padded input gradient"
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_float64_equals_full_pass(world):
+    """Training step (both modes) and the split-document evaluation equal the single-process passes."""
+    mp.spawn(_train_worker, args=(world, _free_port(), "float64"), nprocs=world, join=True)
+
+
+def _fsdp_worker(rank: int, world: int, port: int, cp_size: int, ref_path: str) -> None:
+    """(world / cp_size) data-parallel x cp_size chunk-parallel ranks, FSDP2 over all of them."""
+    from torch.distributed.tensor import DTensor
+
+    from mega_suite.parallel import apply_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        groups = [dist.new_group(list(range(s, s + cp_size))) for s in range(0, world, cp_size)]
+        row, cp_rank = divmod(rank, cp_size)
+        model = _model(torch.float32)
+        model.gradient_checkpointing = True  # the recomputation in backward runs the exchanges again
+        apply_fsdp(model)
+        batch = _packed_batch(world // cp_size, 8 * cp_size, seed=1)
+        mine = slice_batch(
+            {k: v[row : row + 1] for k, v in batch.items()}, cp_rank, cp_size, CFG["chunk_size"]
+        )
+        for mode in ("parallel", "sequential"):
+            model.zero_grad(set_to_none=True)
+            cp = ChunkParallelContext.from_group(groups[row], mode=mode)
+            assert (cp.rank, cp.world) == (cp_rank, cp_size)
+            with cp.attached(model):
+                logits, _ = model(mine["input"])  # through __call__: FSDP2's root hooks gather the embedding
+                nll = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), mine["target"].flatten(), reduction="sum"
+                )
+                # FSDP averages over all ranks; x P makes that the mean over the data-parallel sequences.
+                (global_mean_loss(nll, torch.tensor(mine["target"].numel()), cp) * cp_size).backward()
+            ref = torch.load(ref_path, weights_only=True)
+            for name, p in model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                err = _rel(g, ref[name])
+                assert err <= 1e-4, f"rank {rank} {mode} FSDP2 x chunk-parallel: grad {name} off by {err}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_data_x_chunk_parallel_equals_full_pass(tmp_path):
+    """2 data x 2 chunk ranks = 4 processes, FSDP2 over the flattened 4, float32, activation checkpointing:
+    the gradients of the single-process full batch, both modes."""
+    model = _model(torch.float32)
+    batch = _packed_batch(2, 16, seed=1)
+    hidden, _ = model.forward_hidden(batch["input"])
+    (model.token_nll(hidden, batch["target"]).mean()).backward()
+    ref_path = tmp_path / "grads.pt"
+    torch.save({n: p.grad for n, p in model.named_parameters()}, ref_path)
+    mp.spawn(_fsdp_worker, args=(4, _free_port(), 2, str(ref_path)), nprocs=4, join=True)
+
+
+# ------------------------------------------------------------------ single-process pieces, against oracles
+
+
+def test_slice_stats_merge_to_the_statistics_of_the_concatenation():
+    from kernels.timestep_norm import merge_norm_states
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 11, 8, dtype=torch.float64) * 3 + 50
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[1, 2:5] = True
+    a = slice_norm_stats(x[:, :4], 2, pad[:, :4])
+    b = slice_norm_stats(x[:, 4:], 2, pad[:, 4:])
+    n, m, v = merge_norm_states(a, b)
+    xg = x.view(2, 11, 2, 4)
+    for row in range(2):
+        keep = xg[row][~pad[row]]  # [valid steps, G, 4]
+        assert n[row] == keep.shape[0]
+        for grp in range(2):
+            vals = keep[:, grp].flatten()
+            assert torch.allclose(m[row, grp], vals.mean(), rtol=1e-13)
+            assert torch.allclose(v[row, grp], vals.var(unbiased=False), rtol=1e-12)
+
+
+def test_h0_term_matches_direct_powers():
+    torch.manual_seed(0)
+    d, n, length = 3, 4, 23
+    q = torch.polar(
+        torch.rand(d, n, dtype=torch.float64) * 0.5 + 0.45, torch.rand(d, n, dtype=torch.float64) * 6
+    )
+    c = torch.randn(2, d, n, dtype=torch.complex128)
+    got = _h0_term(c, torch.log(q), length)  # [B, L, D]
+    t = torch.arange(length, dtype=torch.float64)
+    want = (c[:, None] * q[None, None] ** t.view(1, -1, 1, 1).to(torch.complex128)).real.sum(-1)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_slice_bounds_reject_unaligned_lengths():
+    assert slice_bounds(16, 2, 4) == [(0, 8), (8, 16)]
+    assert slice_bounds(37, 3, 4, even=False) == [(0, 16), (16, 32), (32, 37)]
+    with pytest.raises(ValueError, match="multiple of chunk_parallel"):
+        slice_bounds(20, 2, 4)
+    with pytest.raises(ValueError, match="cannot give each"):
+        slice_bounds(9, 4, 4, even=False)
+
+
+def test_context_rejects_bad_settings():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ChunkParallelContext(None, 0, 2, mode="pipeline")
+    with pytest.raises(ValueError, match="outside the group"):
+        ChunkParallelContext(None, 2, 2)
+    cp = ChunkParallelContext(None, 1, 2, lengths=(8, 5))
+    assert cp.offset(5) == 8
+    with pytest.raises(ValueError, match="got a slice of 4 tokens, its context says 5"):
+        cp.offset(4)
