@@ -46,19 +46,55 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
 class MegalodonModule(L.LightningModule):
     """Shared optimisation, logging and sharding."""
 
-    def __init__(self, model_cfg: MegalodonConfig, optim: dict, trainer: dict, total_steps: int):
+    def __init__(
+        self,
+        model_cfg: MegalodonConfig,
+        optim: dict,
+        trainer: dict,
+        total_steps: int,
+        meta_init: bool = False,
+        init_seed: int | None = None,
+    ):
         super().__init__()
         self.model_cfg, self.optim_cfg, self.trainer_cfg = model_cfg, dict(optim), dict(trainer)
         self.total_steps = total_steps
-        self.model = build_model(model_cfg)
+        # Strategies that shard build the model on the meta device: no rank ever holds the whole model;
+        # configure_model shards, materialises the local shards and initialises them (seeded by init_seed).
+        self.meta_init, self.init_seed = meta_init, init_seed
+        if meta_init:
+            with torch.device("meta"):
+                self.model = build_model(model_cfg)
+        else:
+            self.model = build_model(model_cfg)
         self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))
 
     # ----------------------------------------------------------------- sharding
     def configure_model(self) -> None:
-        from mega_suite.parallel import apply_fsdp, uses_model_parallel
+        """Meta -> shard -> materialise -> initialise (torchtitan's order). Lightning calls this in every
+        trainer entry point; a model sharded already is left alone."""
+        from torch.distributed.fsdp import FSDPModule
 
-        if uses_model_parallel(self):
-            apply_fsdp(self.model, self.device_mesh, bf16=self.trainer.precision == "bf16-mixed")
+        from mega_suite.parallel import apply_fsdp, data_parallel_mesh, uses_model_parallel
+
+        sharded = uses_model_parallel(self)
+        if sharded and not isinstance(self.model, FSDPModule):
+            mesh = data_parallel_mesh(self.device_mesh)
+            apply_fsdp(self.model, mesh, bf16=self.trainer.precision == "bf16-mixed")
+        if any(p.is_meta for p in self.model.parameters()):
+            self.materialize(sharded)
+
+    def materialize(self, sharded: bool) -> None:
+        """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
+        from mega_suite.parallel import init_sharded
+
+        self.model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[]):
+            if self.init_seed is not None:
+                torch.manual_seed(self.init_seed)
+            if sharded:
+                init_sharded(self.model)
+            else:
+                self.model.init_weights()
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
