@@ -142,8 +142,8 @@ class GracefulStop(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # Installed here, after Lightning registers its own SIGTERM handler (between on_fit_start and the fit
         # loop), so ours replaces it: Lightning's would end the loop at the next epoch boundary without a save.
-        if trainer.global_rank != 0 and trainer.world_size > 1:
-            return
+        # Every rank listens (a scheduler signals them all, or only one): the flag is agreed by an all-reduce
+        # at the next step boundary, so every rank saves together and none waits alone in a collective.
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handler)

@@ -142,8 +142,9 @@ class SequenceClassifier(MegalodonModule):
         trainer: dict,
         total_steps: int,
         label_smoothing: float = 0.0,
+        **kwargs: Any,
     ):
-        super().__init__(model_cfg, optim, trainer, total_steps)
+        super().__init__(model_cfg, optim, trainer, total_steps, **kwargs)
         self.label_smoothing = label_smoothing
         self.soft_target_loss = SoftTargetCrossEntropy()
         self.hard_label_loss = (

@@ -13,9 +13,8 @@ precision policy in ``mega_suite.models.common``); nothing here matches paramete
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 FLOAT32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 BF16_UNITS = MixedPrecisionPolicy(
@@ -38,6 +37,8 @@ def apply_fsdp(
                 fully_shard(sub, mp_policy=FLOAT32, **kw)
         fully_shard(unit, mp_policy=BF16_UNITS if bf16 else FLOAT32, **kw)
     fully_shard(model, mp_policy=FLOAT32, **kw)
+    for method in model.fsdp_forward_methods():
+        register_fsdp_forward_method(model, method)
     return model
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,12 +148,18 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
     raise FileNotFoundError(f"resume={resume!r}: expected 'auto', a run directory or a .ckpt file")
 
 
-def build_strategy(cfg: DictConfig):
-    s = cfg.trainer.strategy
-    if s == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+SHARDING_STRATEGIES = ("fsdp", "hsdp")
 
-        return ModelParallelStrategy(save_distributed_checkpoint=False)
+
+def build_strategy(cfg: DictConfig):
+    """auto | ddp | fsdp (FSDP2 over every rank: a 1-D mesh) | hsdp (shard in a node, replicate across nodes);
+    the meshes are ``mega_suite.parallel.build_mesh``'s."""
+    s = cfg.trainer.strategy
+    if s in SHARDING_STRATEGIES:
+        from mega_suite.parallel import make_strategy
+
+        # sharded checkpoints (torch.distributed.checkpoint): a save never gathers the model on one rank
+        return make_strategy(s, save_distributed_checkpoint=True)
     if s == "ddp":
         return "ddp_find_unused_parameters_false" if torch.cuda.is_available() else "ddp"
     return "auto"
@@ -237,16 +244,38 @@ def build_trainer(
     )
 
 
+_RUN_ENV = "MEGA_SUITE_RUN"  # "run_dir<pathsep>resume_ckpt" of the launching rank 0
+
+
 def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Execute a resolved configuration. Returns the final metrics (and the run directory)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir, resume_ckpt = resolve_run(cfg)
+    # Lightning starts ranks 1.. of a multi-device run by re-running this command (its subprocess launcher):
+    # they take the run directory and checkpoint rank 0 resolved, passed down in the environment.
+    launched = os.environ.get(_RUN_ENV)
+    if launched and not cfg.run_dir:
+        run_dir_text, resume_text = launched.split(os.pathsep)
+        run_dir, resume_ckpt = Path(run_dir_text), Path(resume_text) if resume_text else None
+    else:
+        run_dir, resume_ckpt = resolve_run(cfg)
+        os.environ[_RUN_ENV] = f"{run_dir}{os.pathsep}{resume_ckpt or ''}"
+    try:
+        return _run_in(cfg, run_dir, resume_ckpt, bool(launched), extra_callbacks)
+    finally:
+        if not launched:
+            os.environ.pop(_RUN_ENV, None)
+
+
+def _run_in(
+    cfg: DictConfig, run_dir: Path, resume_ckpt: Path | None, launched: bool, extra_callbacks: list | None
+) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
     text = to_yaml(cfg)
     print(text)
     name = "config.yaml" if resume_ckpt is None else f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    (run_dir / name).write_text(text)
+    if not launched:
+        (run_dir / name).write_text(text)
     print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
 
     dm = build_datamodule(cfg)
@@ -300,6 +329,8 @@ def build_run_module(cfg: DictConfig, mcfg) -> L.LightningModule:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
         total_steps=cfg.trainer.max_steps,
+        meta_init=cfg.trainer.strategy in SHARDING_STRATEGIES,
+        init_seed=cfg.seed,
     )
     if cfg.task == "classify":
         kwargs["label_smoothing"] = float(data_option(cfg, "label_smoothing", 0.0))
