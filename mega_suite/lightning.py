@@ -61,6 +61,7 @@ class MegalodonModule(L.LightningModule):
         # Strategies that shard build the model on the meta device: no rank ever holds the whole model;
         # configure_model shards, materialises the local shards and initialises them (seeded by init_seed).
         self.meta_init, self.init_seed = meta_init, init_seed
+        self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
         if meta_init:
             with torch.device("meta"):
                 self.model = build_model(model_cfg)
@@ -95,6 +96,10 @@ class MegalodonModule(L.LightningModule):
                 init_sharded(self.model)
             else:
                 self.model.init_weights()
+        if self.weights_from is not None:
+            from mega_suite.parallel import load_full_weights
+
+            load_full_weights(self.model, self.weights_from)
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):

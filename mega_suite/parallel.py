@@ -226,3 +226,32 @@ def resident_parameter_bytes(model: nn.Module) -> int:
             seen.add(id(p))
             total += local.numel() * local.element_size()
     return total
+
+
+def load_full_weights(model: nn.Module, path) -> None:
+    """Load a checkpoint's model weights (any format ``load_reference_file`` reads) into a sharded model:
+    rank 0 reads and checks the file, and ``set_model_state_dict`` broadcasts each tensor and keeps every
+    rank's shard (``broadcast_from_rank0``), so the other ranks never hold the whole model."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from mega_suite.checkpoint import load_reference_file
+
+    if not (dist.is_available() and dist.is_initialized()):
+        load_reference_file(model, path)
+        return
+    state = {}
+    if dist.get_rank() == 0:
+        from mega_suite.checkpoint import from_reference, is_sharded_checkpoint, sharded_model_state
+
+        if is_sharded_checkpoint(path):
+            raw = sharded_model_state(path)
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict):
+                raw = {k: v for k, v in raw["state_dict"].items() if k.startswith("model.")}
+            elif isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+                raw = raw["model"]
+        state = dict(from_reference(raw, model))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)

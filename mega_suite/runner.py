@@ -312,6 +312,17 @@ def _run_in(
         if ckpt is None:
             raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
         fn = trainer.validate if cfg.mode == "validate" else trainer.test
+        from mega_suite.checkpoint import is_lightning_checkpoint, is_sharded_checkpoint, load_reference_file
+
+        sharding = cfg.trainer.strategy in SHARDING_STRATEGIES
+        if not is_lightning_checkpoint(ckpt) or (is_sharded_checkpoint(ckpt) and not sharding):
+            # model weights alone (e.g. `python -m mega_suite.checkpoint consolidate`), or a sharded
+            # checkpoint read on one process: load the weights, evaluate without trainer state
+            if getattr(module, "meta_init", False):
+                module.weights_from = str(ckpt)
+            else:
+                load_reference_file(module.model, ckpt)
+            ckpt = None
         out = fn(module, datamodule=data, ckpt_path=ckpt)
         metrics = {k: float(v) for d in out for k, v in d.items()}
     elif cfg.mode == "eval_context" and cfg.task == "lm":
@@ -345,9 +356,16 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
     if resuming:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"init_from={path}: no such checkpoint file")
-    from mega_suite.checkpoint import load_reference_file
+    from mega_suite.checkpoint import is_sharded_checkpoint, load_reference_file
+
+    if not Path(path).is_file() and not is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory)"
+        )
+    if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
+        module.weights_from = str(path)
+        print(f"[mega-suite] model weights will be initialised from {path}")
+        return
 
     try:
         load_reference_file(module.model, path)
