@@ -124,26 +124,38 @@ def batch_size_in_tokens(batch: dict) -> tuple[int, int]:
 
 
 class GracefulStop(L.Callback):
-    """First SIGTERM / Ctrl-C: finish the current step, save ``last.ckpt``, stop. A second Ctrl-C aborts."""
+    """First SIGTERM / Ctrl-C (on any rank): at the next optimizer-step boundary every rank saves ``last.ckpt``
+    together and the fit ends -- no validation or other work after the request. A second signal aborts.
+
+    The ranks agree through an all-reduce (max) of the stop flag after every optimizer step, so a signal that
+    reaches one rank or all of them stops them at the same step; under gradient accumulation the check runs
+    only when a window has ended (``global_step`` advanced), so no window's gradients are lost.
+    """
 
     def __init__(self, last_path: Path):
         self.last_path = Path(last_path)
         self.requested: str | None = None
         self._previous: dict[int, Any] = {}
+        self._checked_step = -1
 
     def _handler(self, signum, frame) -> None:
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.requested is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)  # abort now: the default action of a second SIGTERM
+            os.kill(os.getpid(), signum)
+            return
         self.requested = signal.Signals(signum).name
         print(
-            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping."
+            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping "
+            "(a second signal aborts)."
         )
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Installed here, after Lightning registers its own SIGTERM handler (between on_fit_start and the fit
         # loop), so ours replaces it: Lightning's would end the loop at the next epoch boundary without a save.
-        # Every rank listens (a scheduler signals them all, or only one): the flag is agreed by an all-reduce
-        # at the next step boundary, so every rank saves together and none waits alone in a collective.
+        # Every rank listens (a scheduler signals them all, or only one).
+        self._checked_step = trainer.global_step
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -151,15 +163,21 @@ class GracefulStop(L.Callback):
             self._previous.clear()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._checked_step:  # inside an accumulation window: no optimizer step yet
+            return
+        self._checked_step = trainer.global_step
         stop = torch.tensor(float(self.requested is not None), device=pl_module.device)
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce(stop, reduce_op="max")
         if stop.item() > 0:
+            self.requested = self.requested or "stop on another rank"
             trainer.save_checkpoint(self.last_path)
             print(
                 f"[mega-suite] saved {self.last_path} at step {trainer.global_step}; resume with resume=auto"
             )
             trainer.should_stop = True
+            # Lightning validates when should_stop is set (meant for early stopping): not after a stop request.
+            trainer.fit_loop.epoch_loop._should_check_val_fx = lambda *args, **kwargs: False
 
     def on_fit_end(self, trainer, pl_module) -> None:
         for sig, handler in self._previous.items():
