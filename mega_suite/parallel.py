@@ -133,6 +133,24 @@ def make_strategy(kind: str, chunk_parallel: int = 1, **kwargs):
             self._device_mesh = build_mesh(self.world_size, self.num_nodes, kind, chunk_parallel, device)
             self.lightning_module._device_mesh = self._device_mesh
 
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+            """Lightning's sharded save into ``<path>.tmp``, then ``replace_checkpoint``: atomic like the
+            single-process ``AtomicCheckpointIO`` (a kill during a save leaves the previous one usable)."""
+            from pathlib import Path
+
+            from mega_suite.callbacks import _remove, replace_checkpoint
+
+            path = Path(self.broadcast(str(filepath)))
+            tmp = path.with_name(path.name + ".tmp")
+            if self.global_rank == 0:
+                _remove(tmp)
+            self.barrier()
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            self.barrier()
+            if self.global_rank == 0:
+                replace_checkpoint(tmp, path)
+            self.barrier()
+
         @property
         def distributed_sampler_kwargs(self) -> dict:
             rank, size = data_parallel_rank(self.device_mesh)

@@ -112,7 +112,11 @@ def model_config_for(cfg: DictConfig, dm: Any):
 
 
 def _latest_run(root: Path, recipe: str) -> Path | None:
-    runs = sorted(p for p in (root / recipe).glob("*") if (p / "checkpoints" / "last.ckpt").exists())
+    from mega_suite.callbacks import recover_checkpoint
+
+    runs = sorted(
+        p for p in (root / recipe).glob("*") if recover_checkpoint(p / "checkpoints" / "last.ckpt").exists()
+    )
     return runs[-1] if runs else None
 
 
@@ -132,6 +136,10 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
         return run, None
     if resume == "auto":
         run = Path(cfg.run_dir) if cfg.run_dir else _latest_run(root, cfg.recipe)
+        if run is not None:
+            from mega_suite.callbacks import recover_checkpoint
+
+            recover_checkpoint(run / "checkpoints" / "last.ckpt")
         if run is None or not (run / "checkpoints" / "last.ckpt").exists():
             print(f"[mega-suite] resume=auto: no earlier run of {cfg.recipe!r} under {root}; starting fresh")
             cfg.resume = None

@@ -176,3 +176,29 @@ def test_mesh_rejects_bad_sizes():
         mesh_shape(4, 1, "fsdp", chunk_parallel=3)
     with pytest.raises(ValueError, match="strategy"):
         mesh_shape(4, 1, "ddp")
+
+
+def test_evaluation_samplers_split_over_every_data_parallel_rank(fake_world_4):
+    """Lightning's ModelParallelStrategy on one node reports a data-parallel size of 1 (its mesh is
+    (data_parallel=num_nodes, tensor_parallel=devices)), so every rank evaluated the same batches. Ours
+    reports all 4 ranks under fsdp and hsdp, and the DistributedSampler Lightning builds from it gives
+    disjoint validation indices."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.data import DistributedSampler
+
+    from mega_suite.parallel import build_mesh, make_strategy
+
+    lightning_default = ModelParallelStrategy()
+    lightning_default._device_mesh = DeviceMesh(
+        "cpu", torch.arange(4).reshape(1, 4), mesh_dim_names=("data_parallel", "tensor_parallel")
+    )
+    assert lightning_default.distributed_sampler_kwargs["num_replicas"] == 1  # the bug: nothing is split
+    seen = []
+    for kind, nodes in (("fsdp", 1), ("hsdp", 2)):
+        strategy = make_strategy(kind)
+        strategy._device_mesh = build_mesh(4, nodes, kind)
+        kwargs = strategy.distributed_sampler_kwargs
+        assert kwargs == {"num_replicas": 4, "rank": 3}
+        seen.append(list(DistributedSampler(range(10), shuffle=False, **kwargs)))
+    assert seen[0] == seen[1] == [3, 7, 1]  # rank 3 of 4: every 4th index (padded to 12 by repetition)

@@ -50,3 +50,32 @@ def test_stop_under_accumulation_waits_for_the_window_and_resumes_exactly(listop
     assert step == 5
     for key in ref:
         assert torch.equal(out[key], ref[key]), key
+
+
+def test_sharded_checkpoint_replacement_survives_a_kill(tmp_path):
+    """A sharded checkpoint is a directory: replaced through <path>.old. A kill before the swap leaves the
+    previous checkpoint in place; a kill between the two renames leaves it in <path>.old, which resuming
+    puts back; after the swap only the new one remains."""
+    from mega_suite.callbacks import recover_checkpoint, replace_checkpoint
+
+    last = tmp_path / "last.ckpt"
+    last.mkdir()
+    (last / "shard").write_text("previous")
+    tmp = tmp_path / "last.ckpt.tmp"
+    tmp.mkdir()
+    (tmp / "shard").write_text("new")
+    # killed between the renames
+    import os
+
+    os.replace(last, tmp_path / "last.ckpt.old")
+    assert recover_checkpoint(last).joinpath("shard").read_text() == "previous"
+    replace_checkpoint(tmp, last)
+    assert (last / "shard").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # a file checkpoint replaced by a directory (and back) works too
+    f = tmp_path / "f.ckpt"
+    f.write_text("file")
+    d = tmp_path / "d.tmp"
+    d.mkdir()
+    replace_checkpoint(d, f)
+    assert f.is_dir()
