@@ -36,7 +36,9 @@ def apply_fsdp(
             if id(sub) in islands and sub is not unit:
                 fully_shard(sub, mp_policy=FLOAT32, **kw)
         fully_shard(unit, mp_policy=BF16_UNITS if bf16 else FLOAT32, **kw)
-    fully_shard(model, mp_policy=FLOAT32, **kw)
+    # The root keeps its parameters gathered from forward to backward (torchtitan's choice; they are needed
+    # at once in backward), which also lets its entry points nest (forward calls forward_hidden).
+    fully_shard(model, mp_policy=FLOAT32, mesh=mesh, reshard_after_forward=False)
     for method in model.fsdp_forward_methods():
         register_fsdp_forward_method(model, method)
     return model
