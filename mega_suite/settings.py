@@ -87,7 +87,7 @@ class RunConfig:
     recipe: str = "debug"  # recipe name (recipes/<name>.yaml)
     description: str = ""  # one line shown by `python run.py recipe=list`
     task: str = "classify"  # classify | lm
-    mode: str = "fit"  # fit | validate | test | eval_context
+    mode: str = "fit"  # fit | validate | test | eval_context | plan (memory per GPU, nothing allocated)
     seed: int = 1234
     run_root: str = "runs"  # runs/<recipe>/<timestamp>/
     run_dir: str | None = None  # set to reuse a directory
@@ -337,7 +337,7 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 _CHOICES = {
     "task": ("classify", "lm"),
-    "mode": ("fit", "validate", "test", "eval_context"),
+    "mode": ("fit", "validate", "test", "eval_context", "plan"),
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
     "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
