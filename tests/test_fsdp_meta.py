@@ -202,3 +202,41 @@ def test_evaluation_samplers_split_over_every_data_parallel_rank(fake_world_4):
         assert kwargs == {"num_replicas": 4, "rank": 3}
         seen.append(list(DistributedSampler(range(10), shuffle=False, **kwargs)))
     assert seen[0] == seen[1] == [3, 7, 1]  # rank 3 of 4: every 4th index (padded to 12 by repetition)
+
+
+def _load_worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from mega_suite.parallel import apply_fsdp, init_sharded, load_full_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = _meta_model("megalodon_tied")
+    apply_fsdp(model)
+    model.to_empty(device="cpu")
+    init_sharded(model)  # seeded differently from the file's weights
+    load_full_weights(model, ref_path)
+    torch.save(_full_state(model), os.path.join(out_dir, f"loaded{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_init_from_a_reference_file_into_shards():
+    """init_from= / ckpt= under fsdp: rank 0 reads the file, every rank ends with the file's weights."""
+    world = 2
+    torch.manual_seed(123)
+    reference = _single_process_init("megalodon_tied")
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path = os.path.join(tmp, "ref.pt")
+        torch.save(reference.state_dict(), ref_path)
+        mp.spawn(_load_worker, args=(world, _free_port(), ref_path, tmp), nprocs=world, join=True)
+        loaded = [torch.load(os.path.join(tmp, f"loaded{r}.pt"), weights_only=True) for r in range(world)]
+    for key, value in reference.state_dict().items():
+        for r in range(world):
+            assert torch.equal(loaded[r][key], value), (key, r)
