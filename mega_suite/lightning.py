@@ -263,7 +263,7 @@ class CausalLM(MegalodonModule):
         else:
             hidden, _ = self.model.forward_hidden(batch["input"])
         nll = self.model.token_nll(hidden, target).sum()
-        # Streaming loaders are iterable and not split across ranks: every rank scores the whole split.
+        # Streaming loaders split documents across ranks (StreamSegments): totals are summed like the others.
         totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch, None])
         totals[0] += float(nll)
         totals[1] += int((target != -100).sum())
@@ -271,11 +271,13 @@ class CausalLM(MegalodonModule):
             totals[3] = (totals[3] or 0) + int(batch["words"].sum())
 
     def _log_totals(self) -> None:
-        for idx, (nll, count, streaming, words) in sorted(self._totals.items()):
+        for idx, (nll, count, _streaming, words) in sorted(self._totals.items()):
             stage = STAGES[idx]
             total = torch.tensor([nll, float(count)], dtype=torch.float64, device=self.device)
-            if self.trainer.world_size > 1 and not streaming:
-                total = self.trainer.strategy.reduce(total, reduce_op="sum")
+            if self.trainer.world_size > 1:
+                words_t = torch.tensor([float(words or 0)], dtype=torch.float64, device=self.device)
+                total = self.trainer.strategy.reduce(torch.cat([total, words_t]), reduce_op="sum")
+                words = float(total[2])
             nll_sum, tokens = float(total[0]), max(1.0, float(total[1]))
             loss = nll_sum / tokens
             self.log(f"{stage}/loss", loss, prog_bar=stage == "val", rank_zero_only=True)

@@ -240,3 +240,44 @@ def test_init_from_a_reference_file_into_shards():
     for key, value in reference.state_dict().items():
         for r in range(world):
             assert torch.equal(loaded[r][key], value), (key, r)
+
+
+def test_streaming_evaluation_splits_documents_across_ranks():
+    """Every document is read by exactly one rank, each rank yields the same number of segments (padded
+    with empty ones: no targets, no words), and the totals over ranks equal one rank's."""
+    import numpy as np
+
+    from datamodules.text_lm import StreamSegments
+
+    class Stream:
+        def __init__(self, n):
+            self.tokens = np.arange(n) % 50
+
+        def __len__(self):
+            return len(self.tokens)
+
+        def read(self, a, b):
+            return self.tokens[a:b].astype(np.int64)
+
+    stream = Stream(200)
+    docs = [(0, 60), (60, 70), (70, 150), (150, 153), (153, 200)]
+    word_ends = np.ones(200, dtype=np.int64)
+
+    def totals(segments):
+        real = [s for s in segments if (s["target"] != -100).any()]
+        keys = sorted((int(s["input"][0, 0]), s["input"].shape[1], bool(s["first_segment"])) for s in real)
+        return (
+            keys,
+            sum(int((s["target"] != -100).sum()) for s in segments),
+            sum(int(s["words"]) for s in segments),
+        )
+
+    one = list(StreamSegments(stream, docs, 16, word_ends))
+    per_rank = [list(StreamSegments(stream, docs, 16, word_ends, rank=r, world=3)) for r in range(3)]
+    assert len({len(p) for p in per_rank}) == 1
+    assert len(StreamSegments(stream, docs, 16, word_ends, rank=1, world=3)) == len(per_rank[1])
+    merged = [s for p in per_rank for s in p]
+    ref_keys, ref_targets, ref_words = totals(one)
+    keys, targets, words = totals(merged)
+    assert keys == ref_keys and targets == ref_targets and words == ref_words
+    assert max(len(p) for p in per_rank) < len(one)  # the work is split
