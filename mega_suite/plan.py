@@ -199,15 +199,16 @@ def plan(cfg: DictConfig) -> str:
         f"{'per GPU':42s} {'GiB':>10s}",
     ]  # fmt: skip
     lines += [f"  {name:40s} {value / GIB:10.2f}" for name, value in rows]
-    for label, a in (("total, no checkpointing", act), ("total, activation checkpointing", act_ckpt)):
+    for label, a, on in (
+        ("total, no checkpointing", act, False),
+        ("total, activation checkpointing", act_ckpt, True),
+    ):
         mark = (
-            "  <- trainer.gradient_checkpointing"
-            if (label.endswith("ing") and ckpt_on) == (a is act_ckpt)
+            f"  <- the recipe's trainer.gradient_checkpointing={str(ckpt_on).lower()}"
+            if on == ckpt_on
             else ""
         )
-        lines.append(
-            f"  {label:40s} {(states + a) / GIB:10.2f}{mark if a is (act_ckpt if ckpt_on else act) else ''}"
-        )
+        lines.append(f"  {label:40s} {(states + a) / GIB:10.2f}{mark}")
     host = total * 4 / shard + (unit * 4 if sharded else 0)
     host_full = total * 4
     lines += [
