@@ -38,6 +38,11 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = load_config(argv)
+        if cfg.mode == "plan":
+            from mega_suite.plan import plan
+
+            print(plan(cfg))
+            return 0
         from mega_suite.lightning import NonFiniteLossError
         from mega_suite.runner import run
 

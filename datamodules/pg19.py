@@ -53,6 +53,7 @@ from datamodules.text_lm import (
     decode_utf8,
     packed_train_loader,
     token_dtype,
+    trainer_rank,
     write_json_atomic,
 )
 
@@ -317,7 +318,10 @@ class PG19DataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader:
         offsets = self.book_offsets[split]
         documents = list(zip(offsets[:-1], offsets[1:]))
-        dataset = StreamSegments(self.streams[split], documents, self.eval_seq_len, self.word_ends[split])
+        rank, world = trainer_rank(self)
+        dataset = StreamSegments(
+            self.streams[split], documents, self.eval_seq_len, self.word_ends[split], rank=rank, world=world
+        )
         return DataLoader(dataset, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

@@ -264,8 +264,11 @@ class StreamSegments(IterableDataset):
     ``documents`` lists ``(start, stop)`` token ranges of the stream. In a document of ``n`` tokens the first
     token is context only (BOS, or WikiText-103's leading ``<eos>``): inputs are tokens ``[0, n - 1)``, targets
     ``[1, n)``, cut into segments of at most ``segment_len`` tokens; the first segment of each document has
-    ``first_segment = True``. Iterable, so that Lightning never splits or reorders it across ranks: every
-    rank evaluates the whole split, and per-split totals are rank-local. Use with ``DataLoader(dataset,
+    ``first_segment = True``. Iterable, so that Lightning never splits or reorders it. With ``world > 1``
+    the documents are split across ranks (longest first to the least-loaded rank, by segment count; each
+    rank reads its own in order) and every rank yields the same number of segments, padded with empty ones
+    (one token, target -100, no words), so sharded models run the same collectives on every rank; the
+    per-split totals are summed over the ranks (``CausalLM``). Use with ``DataLoader(dataset,
     batch_size=None, num_workers=0)``.
 
     ``word_ends`` (optional, one entry per stream position): how many words end at that token (the token that
@@ -279,7 +282,11 @@ class StreamSegments(IterableDataset):
         documents: Sequence[tuple[int, int]],
         segment_len: int,
         word_ends: np.ndarray | None = None,
+        rank: int = 0,
+        world: int = 1,
     ):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, world={world})")
         if segment_len < 1:
             raise ValueError(f"segment_len must be positive, got {segment_len}")
         if word_ends is not None and len(word_ends) != len(stream):
@@ -288,9 +295,21 @@ class StreamSegments(IterableDataset):
         self.documents = [(int(a), int(b)) for a, b in documents if b - a >= 2]
         self.segment_len = segment_len
         self.word_ends = word_ends
+        self.rank, self.world = rank, world
+        counts = [self._segments(d) for d in self.documents]
+        loads, owner = [0] * world, [0] * len(self.documents)
+        for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+            owner[i] = min(range(world), key=lambda r: (loads[r], r))
+            loads[owner[i]] += counts[i]
+        self.local_documents = [d for d, o in zip(self.documents, owner, strict=True) if o == rank]
+        self.padding = max(loads) - loads[rank]
+
+    def _segments(self, document: tuple[int, int]) -> int:
+        a, b = document
+        return math.ceil((b - a - 1) / self.segment_len)
 
     def __len__(self) -> int:
-        return sum(math.ceil((b - a - 1) / self.segment_len) for a, b in self.documents)
+        return sum(self._segments(d) for d in self.local_documents) + self.padding
 
     @property
     def num_targets(self) -> int:
@@ -300,7 +319,7 @@ class StreamSegments(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if get_worker_info() is not None and get_worker_info().num_workers > 1:
             raise RuntimeError("StreamSegments must be read in order by one process (num_workers=0 or 1)")
-        for start, stop in self.documents:
+        for start, stop in self.local_documents:
             for a in range(start, stop - 1, self.segment_len):
                 b = min(a + self.segment_len, stop - 1)
                 tokens = torch.from_numpy(self.stream.read(a, b + 1))
@@ -312,6 +331,15 @@ class StreamSegments(IterableDataset):
                 if self.word_ends is not None:
                     segment["words"] = torch.tensor([int(self.word_ends[a + 1 : b + 1].sum())])
                 yield segment
+        for _ in range(self.padding):
+            empty = {
+                "input": torch.zeros(1, 1, dtype=torch.long),
+                "target": torch.full((1, 1), -100, dtype=torch.long),
+                "first_segment": torch.tensor([True]),
+            }
+            if self.word_ends is not None:
+                empty["words"] = torch.tensor([0])
+            yield empty
 
 
 def loader_kwargs(num_workers: int) -> dict:

@@ -232,7 +232,10 @@ class WikiText103DataModule(L.LightningDataModule):
         stream = _PrefixedStream(self.streams[split], self.eos_id)
         word_ends = np.ones(len(stream), dtype=np.uint8)  # every token is a word ...
         word_ends[0] = 0  # ... but the leading context <eos> is not scored
-        dataset = StreamSegments(stream, [(0, len(stream))], self.eval_seq_len, word_ends=word_ends)
+        rank, world = trainer_rank(self)  # one document: rank 0 reads it, the others pad
+        dataset = StreamSegments(
+            stream, [(0, len(stream))], self.eval_seq_len, word_ends=word_ends, rank=rank, world=world
+        )
         return DataLoader(dataset, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

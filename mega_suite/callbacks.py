@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -33,6 +34,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def replace_checkpoint(tmp: Path, path: Path) -> None:
+    """Put the finished checkpoint ``tmp`` (file or sharded directory) at ``path``. A directory cannot be
+    replaced in one rename: the previous one moves to ``<path>.old`` first and is deleted only once ``tmp``
+    is in place, so a kill at any moment leaves ``path`` or ``<path>.old`` whole (``recover_checkpoint``)."""
+    tmp, path = Path(tmp), Path(path)
+    old = path.with_name(path.name + ".old")
+    _remove(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _remove(old)
+
+
+def recover_checkpoint(path: Path) -> Path:
+    """A save killed between ``replace_checkpoint``'s two renames left only ``<path>.old``: put it back."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+        print(
+            f"[mega-suite] {path}: an interrupted save left the previous checkpoint in {old.name}; restored"
+        )
+    return path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 class StepSeed(L.Callback):
@@ -124,26 +157,38 @@ def batch_size_in_tokens(batch: dict) -> tuple[int, int]:
 
 
 class GracefulStop(L.Callback):
-    """First SIGTERM / Ctrl-C: finish the current step, save ``last.ckpt``, stop. A second Ctrl-C aborts."""
+    """First SIGTERM / Ctrl-C (on any rank): at the next optimizer-step boundary every rank saves ``last.ckpt``
+    together and the fit ends -- no validation or other work after the request. A second signal aborts.
+
+    The ranks agree through an all-reduce (max) of the stop flag after every optimizer step, so a signal that
+    reaches one rank or all of them stops them at the same step; under gradient accumulation the check runs
+    only when a window has ended (``global_step`` advanced), so no window's gradients are lost.
+    """
 
     def __init__(self, last_path: Path):
         self.last_path = Path(last_path)
         self.requested: str | None = None
         self._previous: dict[int, Any] = {}
+        self._checked_step = -1
 
     def _handler(self, signum, frame) -> None:
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.requested is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)  # abort now: the default action of a second SIGTERM
+            os.kill(os.getpid(), signum)
+            return
         self.requested = signal.Signals(signum).name
         print(
-            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping."
+            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping "
+            "(a second signal aborts)."
         )
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Installed here, after Lightning registers its own SIGTERM handler (between on_fit_start and the fit
         # loop), so ours replaces it: Lightning's would end the loop at the next epoch boundary without a save.
-        if trainer.global_rank != 0 and trainer.world_size > 1:
-            return
+        # Every rank listens (a scheduler signals them all, or only one).
+        self._checked_step = trainer.global_step
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -151,15 +196,21 @@ class GracefulStop(L.Callback):
             self._previous.clear()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._checked_step:  # inside an accumulation window: no optimizer step yet
+            return
+        self._checked_step = trainer.global_step
         stop = torch.tensor(float(self.requested is not None), device=pl_module.device)
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce(stop, reduce_op="max")
         if stop.item() > 0:
+            self.requested = self.requested or "stop on another rank"
             trainer.save_checkpoint(self.last_path)
             print(
                 f"[mega-suite] saved {self.last_path} at step {trainer.global_step}; resume with resume=auto"
             )
             trainer.should_stop = True
+            # Lightning validates when should_stop is set (meant for early stopping): not after a stop request.
+            trainer.fit_loop.epoch_loop._should_check_val_fx = lambda *args, **kwargs: False
 
     def on_fit_end(self, trainer, pl_module) -> None:
         for sig, handler in self._previous.items():

@@ -9,7 +9,10 @@ and fail loudly, naming every missing, unexpected or mis-shaped key.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -84,10 +87,93 @@ def load_reference(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module
 
 def load_reference_file(model: nn.Module, path: str) -> nn.Module:
     """Load a checkpoint file's model weights strictly: ``torch.save`` of a state dict, a dict with a
-    "model" entry, or one of the suite's Lightning checkpoints (the ``model.`` entries of "state_dict")."""
+    "model" entry, one of the suite's Lightning checkpoints (the ``model.`` entries of "state_dict"), or a
+    sharded (torch.distributed.checkpoint) checkpoint directory of ``trainer.strategy=fsdp``."""
+    if is_sharded_checkpoint(path):
+        return load_reference(model, sharded_model_state(path))
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = {k: v for k, v in obj["state_dict"].items() if k.startswith("model.")}
     elif isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         obj = obj["model"]
     return load_reference(model, obj)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sharded (torch.distributed.checkpoint) checkpoints of trainer.strategy=fsdp / hsdp
+# --------------------------------------------------------------------------------------------------------------
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """A directory written by torch.distributed.checkpoint (Lightning's ModelParallelStrategy): ``.metadata``
+    plus one ``__R_0.distcp`` shard per rank and the trainer state in ``meta.pt``."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def sharded_model_state(path) -> OrderedDict[str, Tensor]:
+    """The full model weights of a sharded checkpoint, in reference format, read on one process (no process
+    group: ``dcp_to_torch_save`` reads every shard)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(out))
+        state = torch.load(out, map_location="cpu", weights_only=True)
+    model = {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    return OrderedDict((_strip(k), v) for k, v in model.items())
+
+
+def _checkpoint_of(path) -> Path:
+    path = Path(path)
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint (expected a run directory or a checkpoint)")
+    return path
+
+
+def is_lightning_checkpoint(path) -> bool:
+    """A suite Lightning checkpoint (sharded directory, or a file with "state_dict") rather than model weights
+    alone in reference format."""
+    if is_sharded_checkpoint(path):
+        return True
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict)
+
+
+def consolidate(source, out) -> Path:
+    """Write the model weights of a run directory (its ``checkpoints/last.ckpt``) or of one checkpoint, sharded
+    or not, as one reference-format state dict file (``torch.save``) that ``load_reference_file`` reads."""
+    path = _checkpoint_of(source)
+    if is_sharded_checkpoint(path):
+        state = sharded_model_state(path)
+    else:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint: the model's entries
+            obj = {k: v for k, v in obj["state_dict"].items() if k.startswith("model.")}
+        state = OrderedDict((_strip(k), v) for k, v in obj.items())
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mega_suite.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
+    c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")
+    c.add_argument("out", help="output .pt file")
+    args = parser.parse_args(argv)
+    out = consolidate(args.source, args.out)
+    print(f"wrote {out} ({len(torch.load(out, weights_only=True))} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

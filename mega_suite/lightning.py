@@ -46,19 +46,60 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
 class MegalodonModule(L.LightningModule):
     """Shared optimisation, logging and sharding."""
 
-    def __init__(self, model_cfg: MegalodonConfig, optim: dict, trainer: dict, total_steps: int):
+    def __init__(
+        self,
+        model_cfg: MegalodonConfig,
+        optim: dict,
+        trainer: dict,
+        total_steps: int,
+        meta_init: bool = False,
+        init_seed: int | None = None,
+    ):
         super().__init__()
         self.model_cfg, self.optim_cfg, self.trainer_cfg = model_cfg, dict(optim), dict(trainer)
         self.total_steps = total_steps
-        self.model = build_model(model_cfg)
+        # Strategies that shard build the model on the meta device: no rank ever holds the whole model;
+        # configure_model shards, materialises the local shards and initialises them (seeded by init_seed).
+        self.meta_init, self.init_seed = meta_init, init_seed
+        self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
+        if meta_init:
+            with torch.device("meta"):
+                self.model = build_model(model_cfg)
+        else:
+            self.model = build_model(model_cfg)
         self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))
 
     # ----------------------------------------------------------------- sharding
     def configure_model(self) -> None:
-        from mega_suite.parallel import apply_fsdp, uses_model_parallel
+        """Meta -> shard -> materialise -> initialise (torchtitan's order). Lightning calls this in every
+        trainer entry point; a model sharded already is left alone."""
+        from torch.distributed.fsdp import FSDPModule
 
-        if uses_model_parallel(self):
-            apply_fsdp(self.model, self.device_mesh, bf16=self.trainer.precision == "bf16-mixed")
+        from mega_suite.parallel import apply_fsdp, data_parallel_mesh, uses_model_parallel
+
+        sharded = uses_model_parallel(self)
+        if sharded and not isinstance(self.model, FSDPModule):
+            mesh = data_parallel_mesh(self.device_mesh)
+            apply_fsdp(self.model, mesh, bf16=self.trainer.precision == "bf16-mixed")
+        if any(p.is_meta for p in self.model.parameters()):
+            self.materialize(sharded)
+
+    def materialize(self, sharded: bool) -> None:
+        """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
+        from mega_suite.parallel import init_sharded
+
+        self.model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[]):
+            if self.init_seed is not None:
+                torch.manual_seed(self.init_seed)
+            if sharded:
+                init_sharded(self.model)
+            else:
+                self.model.init_weights()
+        if self.weights_from is not None:
+            from mega_suite.parallel import load_full_weights
+
+            load_full_weights(self.model, self.weights_from)
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
@@ -106,8 +147,9 @@ class SequenceClassifier(MegalodonModule):
         trainer: dict,
         total_steps: int,
         label_smoothing: float = 0.0,
+        **kwargs: Any,
     ):
-        super().__init__(model_cfg, optim, trainer, total_steps)
+        super().__init__(model_cfg, optim, trainer, total_steps, **kwargs)
         self.label_smoothing = label_smoothing
         self.soft_target_loss = SoftTargetCrossEntropy()
         self.hard_label_loss = (
@@ -221,7 +263,7 @@ class CausalLM(MegalodonModule):
         else:
             hidden, _ = self.model.forward_hidden(batch["input"])
         nll = self.model.token_nll(hidden, target).sum()
-        # Streaming loaders are iterable and not split across ranks: every rank scores the whole split.
+        # Streaming loaders split documents across ranks (StreamSegments): totals are summed like the others.
         totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch, None])
         totals[0] += float(nll)
         totals[1] += int((target != -100).sum())
@@ -229,11 +271,13 @@ class CausalLM(MegalodonModule):
             totals[3] = (totals[3] or 0) + int(batch["words"].sum())
 
     def _log_totals(self) -> None:
-        for idx, (nll, count, streaming, words) in sorted(self._totals.items()):
+        for idx, (nll, count, _streaming, words) in sorted(self._totals.items()):
             stage = STAGES[idx]
             total = torch.tensor([nll, float(count)], dtype=torch.float64, device=self.device)
-            if self.trainer.world_size > 1 and not streaming:
-                total = self.trainer.strategy.reduce(total, reduce_op="sum")
+            if self.trainer.world_size > 1:
+                words_t = torch.tensor([float(words or 0)], dtype=torch.float64, device=self.device)
+                total = self.trainer.strategy.reduce(torch.cat([total, words_t]), reduce_op="sum")
+                words = float(total[2])
             nll_sum, tokens = float(total[0]), max(1.0, float(total[1]))
             loss = nll_sum / tokens
             self.log(f"{stage}/loss", loss, prog_bar=stage == "val", rank_zero_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,7 +112,11 @@ def model_config_for(cfg: DictConfig, dm: Any):
 
 
 def _latest_run(root: Path, recipe: str) -> Path | None:
-    runs = sorted(p for p in (root / recipe).glob("*") if (p / "checkpoints" / "last.ckpt").exists())
+    from mega_suite.callbacks import recover_checkpoint
+
+    runs = sorted(
+        p for p in (root / recipe).glob("*") if recover_checkpoint(p / "checkpoints" / "last.ckpt").exists()
+    )
     return runs[-1] if runs else None
 
 
@@ -131,6 +136,10 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
         return run, None
     if resume == "auto":
         run = Path(cfg.run_dir) if cfg.run_dir else _latest_run(root, cfg.recipe)
+        if run is not None:
+            from mega_suite.callbacks import recover_checkpoint
+
+            recover_checkpoint(run / "checkpoints" / "last.ckpt")
         if run is None or not (run / "checkpoints" / "last.ckpt").exists():
             print(f"[mega-suite] resume=auto: no earlier run of {cfg.recipe!r} under {root}; starting fresh")
             cfg.resume = None
@@ -147,12 +156,18 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
     raise FileNotFoundError(f"resume={resume!r}: expected 'auto', a run directory or a .ckpt file")
 
 
-def build_strategy(cfg: DictConfig):
-    s = cfg.trainer.strategy
-    if s == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+SHARDING_STRATEGIES = ("fsdp", "hsdp")
 
-        return ModelParallelStrategy(save_distributed_checkpoint=False)
+
+def build_strategy(cfg: DictConfig):
+    """auto | ddp | fsdp (FSDP2 over every rank: a 1-D mesh) | hsdp (shard in a node, replicate across nodes);
+    the meshes are ``mega_suite.parallel.build_mesh``'s."""
+    s = cfg.trainer.strategy
+    if s in SHARDING_STRATEGIES:
+        from mega_suite.parallel import make_strategy
+
+        # sharded checkpoints (torch.distributed.checkpoint): a save never gathers the model on one rank
+        return make_strategy(s, save_distributed_checkpoint=True)
     if s == "ddp":
         return "ddp_find_unused_parameters_false" if torch.cuda.is_available() else "ddp"
     return "auto"
@@ -237,16 +252,38 @@ def build_trainer(
     )
 
 
+_RUN_ENV = "MEGA_SUITE_RUN"  # "run_dir<pathsep>resume_ckpt" of the launching rank 0
+
+
 def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Execute a resolved configuration. Returns the final metrics (and the run directory)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir, resume_ckpt = resolve_run(cfg)
+    # Lightning starts ranks 1.. of a multi-device run by re-running this command (its subprocess launcher):
+    # they take the run directory and checkpoint rank 0 resolved, passed down in the environment.
+    launched = os.environ.get(_RUN_ENV)
+    if launched and not cfg.run_dir:
+        run_dir_text, resume_text = launched.split(os.pathsep)
+        run_dir, resume_ckpt = Path(run_dir_text), Path(resume_text) if resume_text else None
+    else:
+        run_dir, resume_ckpt = resolve_run(cfg)
+        os.environ[_RUN_ENV] = f"{run_dir}{os.pathsep}{resume_ckpt or ''}"
+    try:
+        return _run_in(cfg, run_dir, resume_ckpt, bool(launched), extra_callbacks)
+    finally:
+        if not launched:
+            os.environ.pop(_RUN_ENV, None)
+
+
+def _run_in(
+    cfg: DictConfig, run_dir: Path, resume_ckpt: Path | None, launched: bool, extra_callbacks: list | None
+) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
     text = to_yaml(cfg)
     print(text)
     name = "config.yaml" if resume_ckpt is None else f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    (run_dir / name).write_text(text)
+    if not launched:
+        (run_dir / name).write_text(text)
     print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
 
     dm = build_datamodule(cfg)
@@ -283,6 +320,17 @@ def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
         if ckpt is None:
             raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
         fn = trainer.validate if cfg.mode == "validate" else trainer.test
+        from mega_suite.checkpoint import is_lightning_checkpoint, is_sharded_checkpoint, load_reference_file
+
+        sharding = cfg.trainer.strategy in SHARDING_STRATEGIES
+        if not is_lightning_checkpoint(ckpt) or (is_sharded_checkpoint(ckpt) and not sharding):
+            # model weights alone (e.g. `python -m mega_suite.checkpoint consolidate`), or a sharded
+            # checkpoint read on one process: load the weights, evaluate without trainer state
+            if getattr(module, "meta_init", False):
+                module.weights_from = str(ckpt)
+            else:
+                load_reference_file(module.model, ckpt)
+            ckpt = None
         out = fn(module, datamodule=data, ckpt_path=ckpt)
         metrics = {k: float(v) for d in out for k, v in d.items()}
     elif cfg.mode == "eval_context" and cfg.task == "lm":
@@ -300,6 +348,8 @@ def build_run_module(cfg: DictConfig, mcfg) -> L.LightningModule:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
         total_steps=cfg.trainer.max_steps,
+        meta_init=cfg.trainer.strategy in SHARDING_STRATEGIES,
+        init_seed=cfg.seed,
     )
     if cfg.task == "classify":
         kwargs["label_smoothing"] = float(data_option(cfg, "label_smoothing", 0.0))
@@ -314,9 +364,16 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
     if resuming:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"init_from={path}: no such checkpoint file")
-    from mega_suite.checkpoint import load_reference_file
+    from mega_suite.checkpoint import is_sharded_checkpoint, load_reference_file
+
+    if not Path(path).is_file() and not is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory)"
+        )
+    if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
+        module.weights_from = str(path)
+        print(f"[mega-suite] model weights will be initialised from {path}")
+        return
 
     try:
         load_reference_file(module.model, path)

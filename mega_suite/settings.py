@@ -65,7 +65,9 @@ class TrainerSection:
     accelerator: str = "auto"  # auto | cpu | gpu
     devices: Any = "auto"  # number of devices or "auto"
     num_nodes: int = 1
-    strategy: str = "auto"  # auto | ddp | fsdp
+    strategy: str = (
+        "auto"  # auto | ddp | fsdp (shard over all ranks) | hsdp (shard in a node, replicate across)
+    )
     precision: str = "32-true"  # 32-true | bf16-mixed | 64-true
     accumulate_grad_batches: int = 1
     global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (runner.apply_global_batch)
@@ -85,7 +87,7 @@ class RunConfig:
     recipe: str = "debug"  # recipe name (recipes/<name>.yaml)
     description: str = ""  # one line shown by `python run.py recipe=list`
     task: str = "classify"  # classify | lm
-    mode: str = "fit"  # fit | validate | test | eval_context
+    mode: str = "fit"  # fit | validate | test | eval_context | plan (memory per GPU, nothing allocated)
     seed: int = 1234
     run_root: str = "runs"  # runs/<recipe>/<timestamp>/
     run_dir: str | None = None  # set to reuse a directory
@@ -335,10 +337,10 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 _CHOICES = {
     "task": ("classify", "lm"),
-    "mode": ("fit", "validate", "test", "eval_context"),
+    "mode": ("fit", "validate", "test", "eval_context", "plan"),
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
-    "trainer.strategy": ("auto", "ddp", "fsdp"),
+    "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "64-true", "64"),
 }
 

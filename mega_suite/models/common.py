@@ -94,6 +94,11 @@ class Backbone(nn.Module):
         """The modules FSDP2 shards one by one before the root: the blocks."""
         return list(self.layers)
 
+    def fsdp_forward_methods(self) -> tuple[str, ...]:
+        """Methods besides ``forward`` that training calls on the model itself (the language model's loss
+        calls ``forward_hidden`` then ``token_nll``): FSDP2 unshards the root's parameters around them too."""
+        return tuple(n for n in ("forward_hidden", "token_nll", "encode") if callable(getattr(self, n, None)))
+
     def float32_modules(self) -> list[nn.Module]:
         """The float32 islands (``@float32_island``): CEMA, every norm, the logits head."""
         return [m for m in self.modules() if is_float32_island(m)]
