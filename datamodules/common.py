@@ -25,6 +25,25 @@ log = logging.getLogger(__name__)
 PAD_ID = 0  # token id of padding in every token task; real symbols start at 1
 
 
+_DATA_PARALLEL: tuple[int, int] | None = None
+
+
+def set_data_parallel(rank: int, size: int) -> None:
+    """Declare this process's data-parallel (rank, size) when it differs from the world's: under chunk
+    parallelism the ranks of one chunk group read the same batches and each trains on its own slice."""
+    global _DATA_PARALLEL
+    _DATA_PARALLEL = (rank, size)
+
+
+def data_parallel() -> tuple[int, int]:
+    """(rank, size) among the processes that read different data: ``set_data_parallel``'s, else the world's."""
+    if _DATA_PARALLEL is not None:
+        return _DATA_PARALLEL
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class ResumableSampler(DistributedSampler):
     """Shuffling sampler whose position can be saved mid-epoch and restored exactly.
 
@@ -67,9 +86,7 @@ class ResumableSampler(DistributedSampler):
         item_keys: bool = False,
     ):
         if num_replicas is None:
-            distributed = dist.is_available() and dist.is_initialized()
-            num_replicas = dist.get_world_size() if distributed else 1
-            rank = dist.get_rank() if distributed else 0
+            rank, num_replicas = data_parallel()
         super().__init__(range(length), num_replicas=num_replicas, rank=rank or 0, shuffle=shuffle, seed=seed)
         self.length = length
         if bucket_batches < 0:

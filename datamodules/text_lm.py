@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from datamodules import common
 from datamodules.common import ResumableDataLoader, ResumableSampler
 from datamodules.errors import DataError
 
@@ -365,4 +366,6 @@ def trainer_rank(datamodule) -> tuple[int, int]:
     trainer = getattr(datamodule, "trainer", None)
     if trainer is None:
         return 0, 1
+    if common._DATA_PARALLEL is not None:  # chunk parallelism: the data-parallel coordinates, not the world's
+        return common._DATA_PARALLEL
     return int(trainer.global_rank), int(trainer.world_size)

@@ -61,6 +61,8 @@ class MegalodonModule(L.LightningModule):
         # Strategies that shard build the model on the meta device: no rank ever holds the whole model;
         # configure_model shards, materialises the local shards and initialises them (seeded by init_seed).
         self.meta_init, self.init_seed = meta_init, init_seed
+        # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.parallel)
+        self.chunk_parallel = None
         self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
         if meta_init:
             with torch.device("meta"):
@@ -80,6 +82,13 @@ class MegalodonModule(L.LightningModule):
         sharded = uses_model_parallel(self)
         if sharded and not isinstance(self.model, FSDPModule):
             mesh = data_parallel_mesh(self.device_mesh)
+            if self.chunk_parallel is not None:
+                # gradients must also be summed over the chunk-parallel ranks: shard over the flattened mesh
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh(
+                    self.device.type, (self.trainer.world_size,), mesh_dim_names=("dp_cp",)
+                )
             apply_fsdp(self.model, mesh, bf16=self.trainer.precision == "bf16-mixed")
         if any(p.is_meta for p in self.model.parameters()):
             self.materialize(sharded)
@@ -241,12 +250,47 @@ class CausalLM(MegalodonModule):
         return nll, (target != -100).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        nll, count = self.lm_loss(batch)
-        loss = nll / count.clamp(min=1)
-        self.check_finite(loss)
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
-        self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)), on_step=True)
+        cp = self.chunk_parallel
+        if cp is None:
+            nll, count = self.lm_loss(batch)
+            loss = logged = nll / count.clamp(min=1)
+        else:
+            loss, logged = self._chunk_parallel_loss(batch, cp)
+        self.check_finite(logged)
+        self.log("train/loss", logged, on_step=True, prog_bar=True)
+        self.log("train/ppl", torch.exp(logged.detach().clamp(max=30)), on_step=True)
         return loss
+
+    def _chunk_parallel_loss(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
+        """This rank's chunk-aligned slice of the batch; the loss is the mean over the whole sequences.
+
+        share_r = NLL_r / (tokens of the whole group), so sum_r share_r is the sequences' mean NLL. FSDP2
+        averages gradients over all dp x P ranks, so each rank returns P * share_r: the average is then the
+        mean over the data-parallel replicas of the group sums. Returns (loss to back-propagate, logged mean).
+        """
+        import torch.distributed as dist
+
+        from mega_suite.chunk_parallel import global_mean_loss, slice_batch
+
+        nll, count = self.lm_loss(slice_batch(batch, cp.rank, cp.world, self.model.cfg.chunk_size))
+        share = global_mean_loss(nll, count, cp)
+        mean = share.detach().clone()
+        dist.all_reduce(mean, group=cp.group)
+        return share * cp.world, mean
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The chunk-parallel hooks stay attached through the backward (activation checkpointing recomputes
+        # the norms and CEMA there) and are cleared before any evaluation, which runs unsliced.
+        if self.chunk_parallel is not None:
+            from mega_suite.chunk_parallel import attach
+
+            attach(self.model, self.chunk_parallel)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.chunk_parallel is not None:
+            from mega_suite.chunk_parallel import attach
+
+            attach(self.model, None)
 
     def on_validation_epoch_start(self) -> None:
         self._stream_cache.clear()

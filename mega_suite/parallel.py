@@ -120,7 +120,7 @@ def data_parallel_rank(mesh) -> tuple[int, int]:
     return rank, size
 
 
-def make_strategy(kind: str, chunk_parallel: int = 1, **kwargs):
+def make_strategy(kind: str, chunk_parallel: int = 1, chunk_parallel_mode: str = "parallel", **kwargs):
     """Lightning's ``ModelParallelStrategy`` with the mesh of ``build_mesh`` (not Lightning's (data_parallel,
     tensor_parallel) mesh, which ``fully_shard`` would read as HSDP) and samplers split over every
     data-parallel rank."""
@@ -134,6 +134,16 @@ def make_strategy(kind: str, chunk_parallel: int = 1, **kwargs):
             device = self.root_device.type
             self._device_mesh = build_mesh(self.world_size, self.num_nodes, kind, chunk_parallel, device)
             self.lightning_module._device_mesh = self._device_mesh
+            if chunk_parallel > 1:
+                from datamodules.common import set_data_parallel
+                from mega_suite.chunk_parallel import ChunkParallelContext
+
+                # the P ranks of a chunk group read the same batches (each trains on its own slice)
+                set_data_parallel(*data_parallel_rank(self._device_mesh))
+                group = self._device_mesh.get_group("cp")
+                self.lightning_module.chunk_parallel = ChunkParallelContext.from_group(
+                    group, chunk_parallel_mode
+                )
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             """Lightning's sharded save into ``<path>.tmp``, then ``replace_checkpoint``: atomic like the

@@ -167,7 +167,12 @@ def build_strategy(cfg: DictConfig):
         from mega_suite.parallel import make_strategy
 
         # sharded checkpoints (torch.distributed.checkpoint): a save never gathers the model on one rank
-        return make_strategy(s, save_distributed_checkpoint=True)
+        return make_strategy(
+            s,
+            chunk_parallel=cfg.trainer.chunk_parallel,
+            chunk_parallel_mode=cfg.trainer.chunk_parallel_mode,
+            save_distributed_checkpoint=True,
+        )
     if s == "ddp":
         return "ddp_find_unused_parameters_false" if torch.cuda.is_available() else "ddp"
     return "auto"

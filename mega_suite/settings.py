@@ -77,6 +77,11 @@ class TrainerSection:
     limit_test_batches: float = 1.0
     log_every_n_steps: int = 10
     gradient_checkpointing: bool = False  # recompute block activations in backward
+    # P > 1: the ranks form a (data-parallel x chunk-parallel) mesh; the P ranks of a group each train on a
+    # contiguous, chunk-aligned slice of the same sequences (SPEC §8, mega_suite.chunk_parallel); needs
+    # trainer.strategy=fsdp, task=lm, a Megalodon model and data.options.seq_len a multiple of P x C.
+    chunk_parallel: int = 1
+    chunk_parallel_mode: str = "parallel"  # parallel (prefix of all-gathered states) | sequential (hand-off)
     compile: bool = False  # torch.compile the model
     deterministic: bool = False
     progress_bar: bool = True
@@ -341,6 +346,7 @@ _CHOICES = {
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
     "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
+    "trainer.chunk_parallel_mode": ("parallel", "sequential"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "64-true", "64"),
 }
 
@@ -426,6 +432,8 @@ def _validate_mode(cfg: DictConfig) -> None:
 
 def _validate_trainer(cfg: DictConfig) -> None:
     t = cfg.trainer
+    if t.chunk_parallel != 1:
+        _validate_chunk_parallel(cfg)
     for key in ("global_batch_tokens", "peak_tflops"):
         if t[key] and cfg.task != "lm":
             raise ConfigError(
@@ -439,6 +447,30 @@ def _validate_trainer(cfg: DictConfig) -> None:
                 f"{t.global_batch_tokens} both set the accumulation: set one of them"
             )
         tokens_per_sequence(cfg)
+
+
+def _validate_chunk_parallel(cfg: DictConfig) -> None:
+    t, p = cfg.trainer, cfg.trainer.chunk_parallel
+    where = f"trainer.chunk_parallel={p}"
+    if p < 1:
+        raise ConfigError(f"{where} must be >= 1")
+    if cfg.task != "lm" or cfg.model.arch != "megalodon":
+        raise ConfigError(
+            f"{where} splits a Megalodon language model's sequences: needs task=lm, model.arch=megalodon"
+        )
+    if t.strategy != "fsdp":
+        raise ConfigError(f"{where} runs on the FSDP2 mesh: set trainer.strategy=fsdp (got {t.strategy!r})")
+    if not isinstance(t.devices, int) or (t.devices * t.num_nodes) % p:
+        raise ConfigError(
+            f"{where} must divide the number of ranks, trainer.devices x trainer.num_nodes "
+            f"({t.devices!r} x {t.num_nodes}); give trainer.devices as a number"
+        )
+    seq_len, chunk = data_option(cfg, "seq_len"), cfg.model.chunk_size
+    if not seq_len or seq_len % (p * chunk):
+        raise ConfigError(
+            f"{where}: data.options.seq_len={seq_len} must be a multiple of chunk_parallel x model.chunk_size "
+            f"= {p} x {chunk} so that every rank gets the same chunk-aligned slice"
+        )
 
 
 def model_config(cfg: DictConfig, **updates: Any):
