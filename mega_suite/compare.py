@@ -192,12 +192,33 @@ def experiment_key(config: dict) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in RUN_KEYS}, sort_keys=True, default=str)
 
 
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif f"{prefix}{k}" not in RUN_KEYS:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(configs: dict[str, dict]) -> dict[str, list[tuple[str, object]]]:
+    """Per experiment, the dotted ``(key, value)`` pairs on which the experiments disagree (a key one of
+    them lacks counts as different), so that groups of one recipe get distinct labels."""
+    flat = {name: _flat(config) for name, config in configs.items()}
+    keys = sorted(set().union(*flat.values())) if flat else []
+    missing = object()
+    varying = [k for k in keys if len({repr(f.get(k, missing)) for f in flat.values()}) > 1]
+    return {name: [(k, f.get(k)) for k in varying] for name, f in flat.items()}
+
+
 def group_by_seed(runs: list[Run]) -> list[Run]:
     """Runs with equal configurations but for the seed become one run whose curves are the mean over the
     members on the steps all of them logged, with (min, max) bands; single runs pass through."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(experiment_key(run.config), []).append(run)
+    distinguishing = differing_keys({key: members[0].config for key, members in groups.items()})
     out = []
     for members in groups.values():
         if len(members) == 1:
@@ -221,7 +242,9 @@ def group_by_seed(runs: list[Run]) -> list[Run]:
             curves[tag] = Curve(steps, values.mean(0), wall.mean(0))
             bands[tag] = (values.min(0), values.max(0))
         seeds = ",".join(str(m.config.get("seed")) for m in members)
-        label = f"{first.config.get('recipe', first.path.parent.name)} (seeds {seeds})"
+        differs = " ".join(f"{k}={v}" for k, v in distinguishing[experiment_key(first.config)])
+        name = first.config.get("recipe", first.path.parent.name)
+        label = f"{name} {differs} (seeds {seeds})" if differs else f"{name} (seeds {seeds})"
         out.append(
             Run(
                 first.path,

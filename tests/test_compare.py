@@ -80,8 +80,8 @@ def test_group_by_seed_mean_and_range(tmp_path):
     ]
     md, png = compare(runs, tmp_path, group_seeds=True)
     table = rows(md.read_text())
-    assert set(table) == {"kjv (seeds 1,2)", "kjv/other"}
-    group = table["kjv (seeds 1,2)"]
+    assert set(table) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv/other"}  # named by what sets it apart
+    group = table["kjv optim.lr=0.001 (seeds 1,2)"]
     assert group["seed"] == "1,2"
     assert group["train/loss final"] == "6 [5.5, 6.5]"
     assert group["val/loss best"] == "7.3 [6.8, 7.8]"
@@ -106,3 +106,16 @@ def test_errors_name_the_path(tmp_path, capsys):
     (run / "config.yaml").unlink()
     with pytest.raises(CompareError, match="no config.yaml"):
         compare([run], tmp_path)
+
+
+def test_seed_groups_are_labelled_by_what_differs(tmp_path):
+    # Two experiments of one recipe (e.g. model.arch=megalodon vs llama): their rows and curves must not
+    # both read "kjv (seeds 1,2)".
+    runs = [
+        write_run(tmp_path, "a1", seed=1),
+        write_run(tmp_path, "a2", seed=2),
+        write_run(tmp_path, "b1", seed=1, lr=5e-4),
+        write_run(tmp_path, "b2", seed=2, lr=5e-4),
+    ]
+    md, _ = compare(runs, tmp_path, group_seeds=True)
+    assert set(rows(md.read_text())) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv optim.lr=0.0005 (seeds 1,2)"}
