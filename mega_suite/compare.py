@@ -14,6 +14,7 @@ validation loss against tokens seen and against wall time) into ``--out``.
   training loss at ``s`` was computed by a model that had seen ``s`` batches, a validation at ``s`` follows
   ``s + 1`` optimizer steps, so their ``x`` is ``s`` and ``s + 1`` batches of tokens respectively.
   The table says which source each run used.
+- **Training tokens/s**: the median of the logged ``train/device/items_per_sec`` (per device), when logged.
 - **Wall time**: seconds from the run's first event (its logger's creation, after data preparation) to
   each event; a resumed run's pause between sessions is included.
 - **``--group-by-seed``**: runs whose ``config.yaml`` agree on everything but ``seed`` (and the run
@@ -36,6 +37,8 @@ import yaml
 
 TOKEN_TAG = "train/tokens_seen"
 TRAIN_LOSS = "train/loss"
+# Lightning's ThroughputMonitor: valid tokens per second per device over the last log_every_n_steps steps.
+THROUGHPUT = "train/device/items_per_sec"
 # Evaluation metrics reported when present, with the direction that is better.
 EVAL_METRICS: dict[str, Callable[[Sequence[float]], float]] = {
     "loss": min,
@@ -272,6 +275,9 @@ def summary(run: Run) -> dict[str, float]:
         "wall time": float(max(c.wall[-1] for c in run.curves.values())),
         "train/loss final": float(loss.values[-1]),
     }
+    throughput = run.curves.get(THROUGHPUT)
+    if throughput is not None:
+        out["train tokens/s"] = float(np.median(throughput.values))
     for metric, better in EVAL_METRICS.items():
         val = run.curves.get(f"val/{metric}")
         if val is None:

@@ -35,6 +35,8 @@ def write_run(root: Path, name: str, seed: int, shift: float = 0.0, lr: float = 
         writer.add_scalar("train/loss", loss + shift, step, walltime=t0 + step)
         if counter:
             writer.add_scalar("train/tokens_seen", 1000 * step, step, walltime=t0 + step)
+        else:
+            writer.add_scalar("train/device/items_per_sec", 100.0 * step, step, walltime=t0 + step)
     for step in VAL:
         writer.add_scalar("val/loss", VAL[step] + shift, step, walltime=t0 + 10 * step)
         writer.add_scalar("test/loss", TEST[step] + shift, step, walltime=t0 + 10 * step)
@@ -64,6 +66,8 @@ def test_table_and_plot(tmp_path):
     assert row["tokens"] == "480"  # 5 steps x (batch 2 x seq_len 16 x accumulate 3)
     assert row["wall time"] == "2m05s"
     assert row["train/loss final"] == "5.5"
+    assert row["train tokens/s"] == "200"  # median of the throughput logged at steps 0..4
+    assert rows(text)["kjv/c"]["train tokens/s"] == ""  # not logged
     assert row["val/loss best"] == "6.8 (after 3 steps)" and row["val/loss final"] == "6.9"
     assert row["test/loss @ best val"] == "7.1"
     assert row["val/ppl best"] == "900 (after 5 steps)"

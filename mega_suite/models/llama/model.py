@@ -181,7 +181,9 @@ class LlamaLM(Backbone):
     def reset_parameters(self) -> None:
         d = self.cfg.model_dim
         if self.cfg.share_emb:
-            _trunc_normal(self.embed.weight, d**-0.5)
+            # GPT-2 / nanoGPT's tied init (integrator's fix, also on main): std D^-1/2 gave the input token a
+            # ~sqrt(D) logit at init (kjv initial loss 13.9 instead of ln V = 8.3).
+            _trunc_normal(self.embed.weight, 0.02)
         else:
             nn.init.normal_(self.embed.weight, 0.0, 1.0)
             _trunc_normal(self.output.weight, d**-0.5)
