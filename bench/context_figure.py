@@ -3,8 +3,8 @@
 ``python -m bench.context_figure RUN_DIR RUN_DIR ... --out DIR`` reads each run's ``eval_context/*_ppl``
 TensorBoard scalars (step = context length, written by :func:`mega_suite.evaluate.write_report`) and the
 first line of its ``eval_context.md`` (the model and how it sees context beyond its training window), and
-writes ``DIR/ppl_vs_context.md`` and ``DIR/ppl_vs_context.png`` (the paper's figure 5 for several models).
-A run whose model has a fixed window (Llama: ``window W``) gets a dotted vertical line at ``W``.
+writes ``DIR/ppl_vs_context.md`` and ``DIR/ppl_vs_context.png`` (the paper's figure 5 for several models;
+a second panel shows each curve relative to its shortest context, where small changes are visible). A run whose model has a fixed window (Llama: ``window W``) gets a dotted vertical line at ``W``.
 """
 
 from __future__ import annotations
@@ -71,29 +71,28 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4))
     for k, (label, _, rows, note) in enumerate(runs):
         xs = sorted(rows)
         ax.plot(xs, [rows[x] for x in xs], marker="o", color=f"C{k}", label=label)
+        rel.plot(xs, [100 * (rows[x] / rows[xs[0]] - 1) for x in xs], marker="o", color=f"C{k}", label=label)
         window = re.search(r"window (\d+)", note)
         if window:
             w = int(window.group(1))
-            ax.axvline(w, color=f"C{k}", linestyle=":", linewidth=1)
+            for a in (ax, rel):
+                a.axvline(w, color=f"C{k}", linestyle=":", linewidth=1)
             ax.annotate(
-                f"{label} window {w}",
-                (w, 0.97),
-                xycoords=("data", "axes fraction"),
-                fontsize=7,
-                color=f"C{k}",
-                ha="left",
-                va="top",
-                rotation=90,
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
+                f"{label} window {w}", (w, 0.5), xycoords=("data", "axes fraction"), fontsize=7,
+                color=f"C{k}", ha="right", va="center", rotation=90,
+            )  # fmt: skip
+    for a in (ax, rel):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context length (tokens)")
+        a.grid(alpha=0.3)
     ax.set_ylabel(f"validation {kind}")
-    ax.set_title("Perplexity vs context length (longest validation book)")
-    ax.grid(alpha=0.3)
+    ax.set_title("Perplexity vs context length")
+    rel.set_ylabel("change from the shortest context (%)")
+    rel.set_title("Relative to each model's shortest context")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "ppl_vs_context.png", dpi=100)
