@@ -215,6 +215,13 @@ def differing_keys(configs: dict[str, dict]) -> dict[str, list[tuple[str, object
     return {name: [(k, f.get(k)) for k in varying] for name, f in flat.items()}
 
 
+def with_differences(run: Run, differences: list[tuple[str, object]]) -> Run:
+    """``run`` with the keys that set it apart from the other runs appended to its label."""
+    if differences:
+        run.label += " " + " ".join(f"{k}={v}" for k, v in differences)
+    return run
+
+
 def group_by_seed(runs: list[Run]) -> list[Run]:
     """Runs with equal configurations but for the seed become one run whose curves are the mean over the
     members on the steps all of them logged, with (min, max) bands; single runs pass through."""
@@ -225,7 +232,7 @@ def group_by_seed(runs: list[Run]) -> list[Run]:
     out = []
     for members in groups.values():
         if len(members) == 1:
-            out.append(members[0])
+            out.append(with_differences(members[0], distinguishing[experiment_key(members[0].config)]))
             continue
         first = members[0]
         curves, bands = {}, {}
@@ -404,6 +411,9 @@ def compare(
     runs = [load_run(p) for p in run_dirs]
     if group_seeds:
         runs = group_by_seed(runs)
+    else:
+        differences = differing_keys({str(i): r.config for i, r in enumerate(runs)})
+        runs = [with_differences(r, differences[str(i)]) for i, r in enumerate(runs)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, png = out / "compare.md", out / "compare.png"

@@ -84,7 +84,10 @@ def test_group_by_seed_mean_and_range(tmp_path):
     ]
     md, png = compare(runs, tmp_path, group_seeds=True)
     table = rows(md.read_text())
-    assert set(table) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv/other"}  # named by what sets it apart
+    assert set(table) == {
+        "kjv optim.lr=0.001 (seeds 1,2)",
+        "kjv/other optim.lr=0.0005",
+    }  # named by what sets it apart
     group = table["kjv optim.lr=0.001 (seeds 1,2)"]
     assert group["seed"] == "1,2"
     assert group["train/loss final"] == "6 [5.5, 6.5]"
@@ -123,3 +126,5 @@ def test_seed_groups_are_labelled_by_what_differs(tmp_path):
     ]
     md, _ = compare(runs, tmp_path, group_seeds=True)
     assert set(rows(md.read_text())) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv optim.lr=0.0005 (seeds 1,2)"}
+    md, _ = compare([runs[0], runs[2]], tmp_path)  # single runs too
+    assert set(rows(md.read_text())) == {"kjv/a1 optim.lr=0.001", "kjv/b1 optim.lr=0.0005"}
