@@ -37,6 +37,13 @@ COMMON=(
 
 latest() { ls -d "$RUN_ROOT/$1/kjv"/*/ | sort | tail -1; }
 
+# Wait for every background job; stop with the logs to read if one failed.
+wait_all() {
+  local pid failed=0
+  for pid in $(jobs -p); do wait "$pid" || failed=1; done
+  if [ "$failed" = 1 ]; then echo "error: a run failed; see $RUN_ROOT/*.log" >&2; exit 1; fi
+}
+
 train() {
   mkdir -p "$RUN_ROOT" "$OUT"
   # Unpack and tokenise once, before two processes would race for it.
@@ -47,7 +54,7 @@ train() {
       "$PYTHON" run.py "${COMMON[@]}" model.arch=$arch seed="$seed" run_root="$RUN_ROOT/$arch-s$seed" \
         > "$RUN_ROOT/$arch-s$seed.log" 2>&1 &
     done
-    wait
+    wait_all
     for arch in megalodon llama; do dirs+=("$(latest "$arch-s$seed")"); done
   done
   "$PYTHON" -m mega_suite.compare "${dirs[@]}" --group-by-seed --out "$OUT/loss_vs_tokens"
@@ -62,7 +69,7 @@ context() {
       eval_context_lengths="$CONTEXTS" eval_max_documents="$EVAL_DOCS" \
       run_root="$RUN_ROOT/context-$arch" > "$RUN_ROOT/context-$arch.log" 2>&1 &
   done
-  wait
+  wait_all
   "$PYTHON" -m bench.context_figure "$(latest context-megalodon)" "$(latest context-llama)" \
     --out "$OUT/ppl_vs_context"
 }
