@@ -14,6 +14,7 @@ validation loss against tokens seen and against wall time) into ``--out``.
   training loss at ``s`` was computed by a model that had seen ``s`` batches, a validation at ``s`` follows
   ``s + 1`` optimizer steps, so their ``x`` is ``s`` and ``s + 1`` batches of tokens respectively.
   The table says which source each run used.
+- **Training tokens/s**: the median of the logged ``train/device/items_per_sec`` (per device), when logged.
 - **Wall time**: seconds from the run's first event (its logger's creation, after data preparation) to
   each event; a resumed run's pause between sessions is included.
 - **``--group-by-seed``**: runs whose ``config.yaml`` agree on everything but ``seed`` (and the run
@@ -36,6 +37,8 @@ import yaml
 
 TOKEN_TAG = "train/tokens_seen"
 TRAIN_LOSS = "train/loss"
+# Lightning's ThroughputMonitor: valid tokens per second per device over the last log_every_n_steps steps.
+THROUGHPUT = "train/device/items_per_sec"
 # Evaluation metrics reported when present, with the direction that is better.
 EVAL_METRICS: dict[str, Callable[[Sequence[float]], float]] = {
     "loss": min,
@@ -192,16 +195,44 @@ def experiment_key(config: dict) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in RUN_KEYS}, sort_keys=True, default=str)
 
 
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif f"{prefix}{k}" not in RUN_KEYS:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(configs: dict[str, dict]) -> dict[str, list[tuple[str, object]]]:
+    """Per experiment, the dotted ``(key, value)`` pairs on which the experiments disagree (a key one of
+    them lacks counts as different), so that groups of one recipe get distinct labels."""
+    flat = {name: _flat(config) for name, config in configs.items()}
+    keys = sorted(set().union(*flat.values())) if flat else []
+    missing = object()
+    varying = [k for k in keys if len({repr(f.get(k, missing)) for f in flat.values()}) > 1]
+    return {name: [(k, f.get(k)) for k in varying] for name, f in flat.items()}
+
+
+def with_differences(run: Run, differences: list[tuple[str, object]]) -> Run:
+    """``run`` with the keys that set it apart from the other runs appended to its label."""
+    if differences:
+        run.label += " " + " ".join(f"{k}={v}" for k, v in differences)
+    return run
+
+
 def group_by_seed(runs: list[Run]) -> list[Run]:
     """Runs with equal configurations but for the seed become one run whose curves are the mean over the
     members on the steps all of them logged, with (min, max) bands; single runs pass through."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(experiment_key(run.config), []).append(run)
+    distinguishing = differing_keys({key: members[0].config for key, members in groups.items()})
     out = []
     for members in groups.values():
         if len(members) == 1:
-            out.append(members[0])
+            out.append(with_differences(members[0], distinguishing[experiment_key(members[0].config)]))
             continue
         first = members[0]
         curves, bands = {}, {}
@@ -221,7 +252,9 @@ def group_by_seed(runs: list[Run]) -> list[Run]:
             curves[tag] = Curve(steps, values.mean(0), wall.mean(0))
             bands[tag] = (values.min(0), values.max(0))
         seeds = ",".join(str(m.config.get("seed")) for m in members)
-        label = f"{first.config.get('recipe', first.path.parent.name)} (seeds {seeds})"
+        differs = " ".join(f"{k}={v}" for k, v in distinguishing[experiment_key(first.config)])
+        name = first.config.get("recipe", first.path.parent.name)
+        label = f"{name} {differs} (seeds {seeds})" if differs else f"{name} (seeds {seeds})"
         out.append(
             Run(
                 first.path,
@@ -249,6 +282,9 @@ def summary(run: Run) -> dict[str, float]:
         "wall time": float(max(c.wall[-1] for c in run.curves.values())),
         "train/loss final": float(loss.values[-1]),
     }
+    throughput = run.curves.get(THROUGHPUT)
+    if throughput is not None:
+        out["train tokens/s"] = float(np.median(throughput.values))
     for metric, better in EVAL_METRICS.items():
         val = run.curves.get(f"val/{metric}")
         if val is None:
@@ -375,6 +411,9 @@ def compare(
     runs = [load_run(p) for p in run_dirs]
     if group_seeds:
         runs = group_by_seed(runs)
+    else:
+        differences = differing_keys({str(i): r.config for i, r in enumerate(runs)})
+        runs = [with_differences(r, differences[str(i)]) for i, r in enumerate(runs)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, png = out / "compare.md", out / "compare.png"

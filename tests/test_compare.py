@@ -35,6 +35,8 @@ def write_run(root: Path, name: str, seed: int, shift: float = 0.0, lr: float = 
         writer.add_scalar("train/loss", loss + shift, step, walltime=t0 + step)
         if counter:
             writer.add_scalar("train/tokens_seen", 1000 * step, step, walltime=t0 + step)
+        else:
+            writer.add_scalar("train/device/items_per_sec", 100.0 * step, step, walltime=t0 + step)
     for step in VAL:
         writer.add_scalar("val/loss", VAL[step] + shift, step, walltime=t0 + 10 * step)
         writer.add_scalar("test/loss", TEST[step] + shift, step, walltime=t0 + 10 * step)
@@ -64,6 +66,8 @@ def test_table_and_plot(tmp_path):
     assert row["tokens"] == "480"  # 5 steps x (batch 2 x seq_len 16 x accumulate 3)
     assert row["wall time"] == "2m05s"
     assert row["train/loss final"] == "5.5"
+    assert row["train tokens/s"] == "200"  # median of the throughput logged at steps 0..4
+    assert rows(text)["kjv/c"]["train tokens/s"] == ""  # not logged
     assert row["val/loss best"] == "6.8 (after 3 steps)" and row["val/loss final"] == "6.9"
     assert row["test/loss @ best val"] == "7.1"
     assert row["val/ppl best"] == "900 (after 5 steps)"
@@ -80,8 +84,11 @@ def test_group_by_seed_mean_and_range(tmp_path):
     ]
     md, png = compare(runs, tmp_path, group_seeds=True)
     table = rows(md.read_text())
-    assert set(table) == {"kjv (seeds 1,2)", "kjv/other"}
-    group = table["kjv (seeds 1,2)"]
+    assert set(table) == {
+        "kjv optim.lr=0.001 (seeds 1,2)",
+        "kjv/other optim.lr=0.0005",
+    }  # named by what sets it apart
+    group = table["kjv optim.lr=0.001 (seeds 1,2)"]
     assert group["seed"] == "1,2"
     assert group["train/loss final"] == "6 [5.5, 6.5]"
     assert group["val/loss best"] == "7.3 [6.8, 7.8]"
@@ -106,3 +113,18 @@ def test_errors_name_the_path(tmp_path, capsys):
     (run / "config.yaml").unlink()
     with pytest.raises(CompareError, match="no config.yaml"):
         compare([run], tmp_path)
+
+
+def test_seed_groups_are_labelled_by_what_differs(tmp_path):
+    # Two experiments of one recipe (e.g. model.arch=megalodon vs llama): their rows and curves must not
+    # both read "kjv (seeds 1,2)".
+    runs = [
+        write_run(tmp_path, "a1", seed=1),
+        write_run(tmp_path, "a2", seed=2),
+        write_run(tmp_path, "b1", seed=1, lr=5e-4),
+        write_run(tmp_path, "b2", seed=2, lr=5e-4),
+    ]
+    md, _ = compare(runs, tmp_path, group_seeds=True)
+    assert set(rows(md.read_text())) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv optim.lr=0.0005 (seeds 1,2)"}
+    md, _ = compare([runs[0], runs[2]], tmp_path)  # single runs too
+    assert set(rows(md.read_text())) == {"kjv/a1 optim.lr=0.001", "kjv/b1 optim.lr=0.0005"}
