@@ -464,8 +464,11 @@ def decode_linear(linear: nn.Linear, x: Tensor) -> Tensor:
     w = getattr(linear, "decode_weight", None)
     if w is None:
         return F.linear(x, linear.weight, linear.bias)
-    bias = None if linear.bias is None else linear.bias.to(w.dtype)
-    return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+    if x.shape[0] == 1:  # one row: mv; bf16 addmm / mm with one row take a slow path on CPU (~100x)
+        out = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
+    else:
+        out = F.linear(x.to(w.dtype), w).to(x.dtype)
+    return out if linear.bias is None else out + linear.bias
 
 
 @functools.lru_cache(maxsize=16)
