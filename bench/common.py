@@ -250,6 +250,21 @@ def measure(
     )
 
 
+def weight_read_floor(model: torch.nn.Module, dtype: torch.dtype = torch.float32, repeat: int = 20) -> float:
+    """Seconds of one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix with n * 1024 >= the model's parameter count,
+    in ``dtype`` (median of ``repeat``): the time to read every weight once, the floor of a decode step
+    that reads all of them per token."""
+    numel = sum(p.numel() for p in model.parameters())
+    w = torch.randn((numel + 1023) // 1024, 1024).to(dtype)
+    x = torch.randn(1024).to(dtype)
+    times = []
+    for _ in range(repeat + 2):
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
 # --------------------------------------------------------------------------- reporting
 
 

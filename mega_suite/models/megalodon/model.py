@@ -13,6 +13,7 @@ Every module re-initialises itself with ``reset_parameters()``, so models can be
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -342,6 +343,43 @@ class MegalodonAttention(nn.Module):
         out = self.wh1(m) + self.wh2(gated)
         return out, new_cache
 
+    def step(self, x: Tensor, cache: LayerCache, pos: int) -> tuple[Tensor, LayerCache]:
+        """One token, no autograd (decoding): x [B, D] at absolute position ``pos`` -> (Y [B, D], cache).
+
+        The same equations as ``forward`` with a cache, with fewer ops: the single-step Welford update,
+        h_t = p x_t + q h_{t-1} and y_t = Re(sum_n gamma_n h_t,n) + omega x_t with cached coefficients,
+        RoPE as one complex product with a cached table, and one query over the chunk's cached keys
+        without a mask (it sees all of them): softmax(q K^T) V.
+        """
+        cfg = self.cfg
+        b, h = x.shape[0], self.num_heads
+        zd = cfg.z_dim // h
+        offset = pos % cfg.chunk_size
+        x_hat, norm_state = self.timenorm(x.unsqueeze(1), cache.norm)
+        x_hat = x_hat.squeeze(1)
+        p, q, gamma = self.cema.coefficients()
+        state = torch.addcmul(p * x_hat.unsqueeze(-1), q, cache.cema)  # [B, D, N] complex
+        cema_out = torch.addcmul(
+            torch.linalg.vecdot(gamma.conj(), state).real, self.cema.omega.squeeze(-1), x_hat
+        )
+        m = self.rmsnorm(cema_out)
+        z = decode_linear(self.wz, m).view(b, 1, h, zd)
+        z_hat = z * torch.rsqrt(z.square().mean(-1, keepdim=True) + cfg.norm_eps)
+        scale = (1 + self.gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
+        qk = torch.addcmul(self.beta.view(2, 1, 1, h, zd), z_hat.unsqueeze(0), scale)  # [2, B, 1, h, zd]
+        rot = _rope_table(zd, cfg.rope_base, cfg.chunk_size, x.device)[offset]
+        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (zd // 2, 2))) * rot).flatten(-2)
+        v = F.silu(decode_linear(self.wv, x_hat)).view(b, 1, h, -1)
+        r = F.silu(decode_linear(self.wr, m))
+        k = qk[1].to(v.dtype)
+        kv = ChunkKV.new(k, v, cfg.chunk_size) if cache.kv is None or offset == 0 else cache.kv.append(k, v)
+        keys, values = kv.keys, kv.values  # [B, n, h, *]
+        scores = torch.matmul(qk[0].to(v.dtype).permute(0, 2, 1, 3), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
+        o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2))  # [B, h, 1, E/h]
+        out = decode_linear(self.wh1, m) + decode_linear(self.wh2, o.reshape(b, -1) * r)
+        full = offset + 1 == cfg.chunk_size
+        return out, LayerCache(norm_state, state, None if full else kv, cache.window)
+
 
 class NormalizedFFN(nn.Module):
     """LayerNorm -> SwiGLU (or SiLU) FFN, optional layer scale (SPEC §1, second half)."""
@@ -396,6 +434,39 @@ class MegalodonBlock(nn.Module):
         y = drop_path(F.dropout(h, p, self.training), self.drop_path, self.training) + x
         out = x + drop_path(F.dropout(self.nffn(y), p, self.training), self.drop_path, self.training)
         return out, cache
+
+    def step(self, x: Tensor, cache: LayerCache, pos: int) -> tuple[Tensor, LayerCache]:
+        """One token, no autograd: x [B, D] -> (X + FFN(LN(H + X)), cache); see ``MegalodonAttention.step``."""
+        h, cache = self.mega.step(x, cache, pos)
+        ffn = self.nffn
+        u = ffn.norm(h + x)
+        a = F.silu(decode_linear(ffn.fc1, u))
+        if ffn.fc3 is not None:
+            a = a * decode_linear(ffn.fc3, u)
+        out = decode_linear(ffn.fc2, a)
+        return x + (out * ffn.alpha if ffn.alpha is not None else out), cache
+
+
+def decode_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``linear(x)`` in decoding, with the low-precision copy of the weight that
+    ``MegalodonLM.to_decode_dtype`` made if there is one (input cast to it, output back to x's dtype)."""
+    w = getattr(linear, "decode_weight", None)
+    if w is None:
+        return F.linear(x, linear.weight, linear.bias)
+    if x.shape[0] == 1:  # one row: mv; bf16 addmm / mm with one row take a slow path on CPU (~100x)
+        out = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
+    else:
+        out = F.linear(x.to(w.dtype), w).to(x.dtype)
+    return out if linear.bias is None else out + linear.bias
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor:
+    """exp(i * t * base^(-2j/d)) for chunk offsets t < C, complex64 [C, d/2]: RoPE of one token at offset t
+    is the complex product of its interleaved pairs with row t (``common.rope``'s rotation)."""
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(chunk, dtype=torch.float64).unsqueeze(-1) * inv
+    return torch.polar(torch.ones_like(angle), angle).to(device, torch.complex64)
 
 
 # --------------------------------------------------------------------------- language model
@@ -601,6 +672,8 @@ class MegalodonLM(Backbone):
             return self.hidden_states(tokens), None
         if cache is None:
             cache = self.new_cache(tokens.shape[0])
+        if tokens.shape[1] == 1 and self._can_step(cache):
+            return self._step_token(tokens[:, 0], cache)
         outs = []
         for piece in self._pieces(tokens.shape[1], cache):
             out, cache = self._stream_piece(tokens[:, piece], cache)
@@ -640,6 +713,36 @@ class MegalodonLM(Backbone):
         if cache.window_stats and end % self.cfg.chunk_size == 0:
             self._window_statistics(new)
         return x, new
+
+    def _can_step(self, cache: StreamingCache) -> bool:
+        """The one-token path: no autograd, float32 (float64 models keep the reference path), token embeds."""
+        ref = self.output.final_norm.weight
+        return not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive
+
+    def _step_token(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
+        """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache)."""
+        pos = cache.position
+        x = self.embed_tokens(tokens)
+        new_layers = []
+        for layer, lc in zip(self.layers, cache.layers):
+            x, lc = layer.step(x, lc, pos)
+            new_layers.append(lc)
+        x, final_state = self.output.final_norm(x.unsqueeze(1), cache.final_norm)
+        new = StreamingCache(pos + 1, new_layers, final_state, cache.window_stats, cache.final_window)
+        if cache.window_stats and (pos + 1) % self.cfg.chunk_size == 0:
+            self._window_statistics(new)
+        return x, new
+
+    @torch.no_grad()
+    def to_decode_dtype(self, dtype: torch.dtype | None) -> MegalodonLM:
+        """Decode with the blocks' Linear weights in ``dtype`` (e.g. torch.bfloat16): a copy of each weight
+        that only the one-token path reads (half the bytes per token); activations, CEMA, every norm's
+        statistics and the logits stay float32. ``None`` drops the copies. Copies are not refreshed when
+        the weights change: call again after training."""
+        for module in self.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.decode_weight = None if dtype is None else module.weight.detach().to(dtype)
+        return self
 
     def _window_statistics(self, cache: StreamingCache) -> None:
         """At a chunk boundary: record this chunk's statistics; once 8 chunks have been seen, every norm
