@@ -5,12 +5,11 @@ embeddings) of the single-process full pass; one long document split across rank
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_support import free_port, spawn
 
 from mega_suite.chunk_parallel import (
     ChunkParallelContext,
@@ -29,12 +28,6 @@ CFG = dict(
     cema_ndim=4, norm_num_groups=4, chunk_size=4, vocab_size=23,
 )  # fmt: skip
 EOS = 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _packed_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
@@ -173,7 +166,7 @@ def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_float64_equals_full_pass(world):
     """Training step (both modes) and the split-document evaluation equal the single-process passes."""
-    mp.spawn(_train_worker, args=(world, _free_port(), "float64"), nprocs=world, join=True)
+    spawn(_train_worker, world, world, free_port(), "float64")
 
 
 def _fsdp_worker(rank: int, world: int, port: int, cp_size: int, ref_path: str) -> None:
@@ -225,7 +218,7 @@ def test_fsdp2_data_x_chunk_parallel_equals_full_pass(tmp_path):
     (model.token_nll(hidden, batch["target"]).mean()).backward()
     ref_path = tmp_path / "grads.pt"
     torch.save({n: p.grad for n, p in model.named_parameters()}, ref_path)
-    mp.spawn(_fsdp_worker, args=(4, _free_port(), 2, str(ref_path)), nprocs=4, join=True)
+    spawn(_fsdp_worker, 4, 4, free_port(), 2, str(ref_path))
 
 
 # ------------------------------------------------------------------ single-process pieces, against oracles

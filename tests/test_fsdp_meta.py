@@ -7,12 +7,11 @@ full parameters equal a single-process ``to_empty`` + ``init_weights`` with the 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_support import free_port, spawn
 
 from mega_suite.models.megalodon.config import MegalodonConfig
 
@@ -62,12 +61,6 @@ def _full_state(model):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -107,7 +100,7 @@ def test_sharded_meta_init_equals_single_process_init():
     tied weights stay tied; each rank holds about 1 / world of the parameter bytes."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_init_worker, args=(world, _free_port(), tmp), nprocs=world, join=True)
+        spawn(_init_worker, world, world, free_port(), tmp)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     for name in VARIANTS:
         reference = _single_process_init(name)
@@ -235,7 +228,7 @@ def test_init_from_a_reference_file_into_shards():
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = os.path.join(tmp, "ref.pt")
         torch.save(reference.state_dict(), ref_path)
-        mp.spawn(_load_worker, args=(world, _free_port(), ref_path, tmp), nprocs=world, join=True)
+        spawn(_load_worker, world, world, free_port(), ref_path, tmp)
         loaded = [torch.load(os.path.join(tmp, f"loaded{r}.pt"), weights_only=True) for r in range(world)]
     for key, value in reference.state_dict().items():
         for r in range(world):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_support import free_port, spawn
 
 from mega_suite.models.megalodon.config import MegalodonConfig
 
@@ -68,12 +67,6 @@ def _worker(rank: int, world: int, port: int, out_path: str, arch: str = "megalo
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("arch", ["megalodon", "llama"])
 def test_fsdp2_step_matches_single_process(arch):
@@ -81,7 +74,7 @@ def test_fsdp2_step_matches_single_process(arch):
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "state.pt")
-        mp.spawn(_worker, args=(world, _free_port(), out, arch), nprocs=world, join=True)
+        spawn(_worker, world, world, free_port(), out, arch)
         sharded = torch.load(out, weights_only=True)
     reference = _build(arch=arch)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -144,7 +137,7 @@ def test_fsdp2_bf16_keeps_the_single_device_precision():
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bf16.pt")
-        mp.spawn(_bf16_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        spawn(_bf16_worker, world, world, free_port(), out)
         sharded = torch.load(out, weights_only=True)
     single = _build()
     seen = _bf16_probe(single)

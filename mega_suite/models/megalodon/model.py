@@ -716,8 +716,11 @@ class MegalodonLM(Backbone):
 
     def _can_step(self, cache: StreamingCache) -> bool:
         """The one-token path: no autograd, float32 (float64 models keep the reference path), token embeds."""
+        from torch.distributed.fsdp import FSDPModule
+
         ref = self.output.final_norm.weight
-        return not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive
+        sharded = isinstance(self.layers[0], FSDPModule)  # block.step bypasses FSDP2's gather hooks
+        return not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive and not sharded
 
     def _step_token(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
         """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache)."""
