@@ -1,4 +1,5 @@
-"""LightningModules around the one Megalodon backbone: sequence classification and causal language modelling.
+"""LightningModules around any registered architecture (``mega_suite.models``): sequence classification and
+causal language modelling.
 
 Both share the optimiser (AdamW, optional no-decay groups), the warmup + linear/cosine schedule, gradient
 clipping with gradient-norm logging, the non-finite-loss guard and FSDP2 sharding (``configure_model``).
@@ -18,7 +19,6 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
 from mega_suite.models import build_model
-from mega_suite.models.megalodon.config import MegalodonConfig
 
 STAGES = ("val", "test")
 
@@ -43,12 +43,12 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
-class MegalodonModule(L.LightningModule):
+class SuiteModule(L.LightningModule):
     """Shared optimisation, logging and sharding."""
 
     def __init__(
         self,
-        model_cfg: MegalodonConfig,
+        model_cfg: Any,  # the config dataclass of a registered architecture
         optim: dict,
         trainer: dict,
         total_steps: int,
@@ -146,12 +146,12 @@ class MegalodonModule(L.LightningModule):
             )
 
 
-class SequenceClassifier(MegalodonModule):
+class SequenceClassifier(SuiteModule):
     """Classification over sequences (LRA, speech, images); retrieval when the model has dual_input."""
 
     def __init__(
         self,
-        model_cfg: MegalodonConfig,
+        model_cfg: Any,  # the config dataclass of a registered architecture
         optim: dict,
         trainer: dict,
         total_steps: int,
@@ -222,7 +222,7 @@ class SequenceClassifier(MegalodonModule):
         self.validation_step(batch, batch_idx, 1)
 
 
-class CausalLM(MegalodonModule):
+class CausalLM(SuiteModule):
     """Next-token prediction; targets of -100 are ignored.
 
     Training batches are {"input", "target"} [B, L]. Evaluation batches that carry "first_segment" are
@@ -338,7 +338,7 @@ class CausalLM(MegalodonModule):
         self.validation_step(batch, batch_idx, 1)
 
 
-def build_module(task: str, model_cfg: MegalodonConfig, **kwargs: Any) -> MegalodonModule:
+def build_module(task: str, model_cfg: Any, **kwargs: Any) -> SuiteModule:
     if task == "classify":
         return SequenceClassifier(model_cfg, **kwargs)
     if task == "lm":
