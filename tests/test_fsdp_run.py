@@ -65,8 +65,10 @@ def _run(args: list[str]) -> str:
 
 
 def _metrics(out: str) -> dict:
-    line = [x for x in out.splitlines() if x.startswith("[mega-suite] done: ")][-1]
-    return ast.literal_eval(line.removeprefix("[mega-suite] done: "))
+    # rank 1 writes into the same pipe: its partial lines may precede rank 0's summary on one line
+    tag = "[mega-suite] done: "
+    line = [x for x in out.splitlines() if tag in x][-1]
+    return ast.literal_eval(line[line.index(tag) + len(tag) :])
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
