@@ -35,6 +35,11 @@ def set_data_parallel(rank: int, size: int) -> None:
     _DATA_PARALLEL = (rank, size)
 
 
+def declared_data_parallel() -> tuple[int, int] | None:
+    """``set_data_parallel``'s (rank, size), or None when the data-parallel ranks are the world's."""
+    return _DATA_PARALLEL
+
+
 def data_parallel() -> tuple[int, int]:
     """(rank, size) among the processes that read different data: ``set_data_parallel``'s, else the world's."""
     if _DATA_PARALLEL is not None:

@@ -366,6 +366,5 @@ def trainer_rank(datamodule) -> tuple[int, int]:
     trainer = getattr(datamodule, "trainer", None)
     if trainer is None:
         return 0, 1
-    if common._DATA_PARALLEL is not None:  # chunk parallelism: the data-parallel coordinates, not the world's
-        return common._DATA_PARALLEL
-    return int(trainer.global_rank), int(trainer.world_size)
+    # chunk parallelism: the data-parallel coordinates, not the world's
+    return common.declared_data_parallel() or (int(trainer.global_rank), int(trainer.world_size))
