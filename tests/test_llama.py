@@ -189,3 +189,19 @@ def test_autocast_keeps_logits_and_norms_float32(monkeypatch):
     assert logits.dtype == torch.float32
     assert set(norms) == {torch.float32}
     assert seen and all(d == (torch.bfloat16,) * 3 for d in seen)
+
+
+def test_tied_initial_loss_is_near_uniform():
+    """With tied embeddings the last hidden state starts close to the input token's own embedding, so the
+    init must keep that token's logit small: the initial loss is ≈ ln V (GPT-2's std 0.02; D^-1/2 gave 13.9
+    nats at V = 4096, D = 256)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_layers=2, model_dim=256, num_heads=4, ffn_hidden_dim=512, vocab_size=4096, share_emb=True
+    )
+    model = LlamaLM(cfg)
+    toks = torch.randint(0, 4096, (2, 65), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = model(toks[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), toks[:, 1:].flatten())
+    assert abs(float(loss) - math.log(4096)) < 0.5, float(loss)
