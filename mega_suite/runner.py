@@ -298,8 +298,6 @@ def _run_in(
     module = build_run_module(cfg, mcfg)
     if cfg.init_from:
         init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
-    if cfg.trainer.compile:
-        module.model = torch.compile(module.model)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
     flops = 0.0
     if cfg.task == "lm":

@@ -82,7 +82,8 @@ class TrainerSection:
     # trainer.strategy=fsdp, task=lm, a Megalodon model and data.options.seq_len a multiple of P x C.
     chunk_parallel: int = 1
     chunk_parallel_mode: str = "parallel"  # parallel (prefix of all-gathered states) | sequential (hand-off)
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile each block in place (SuiteModule.compile_units)
+    compile_backend: str = "inductor"  # inductor | aot_eager (capture only, no code generation) | ...
     deterministic: bool = False
     progress_bar: bool = True
 
@@ -434,6 +435,15 @@ def _validate_trainer(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.chunk_parallel != 1:
         _validate_chunk_parallel(cfg)
+    if t.compile:
+        import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if t.compile_backend not in backends:
+            raise ConfigError(
+                f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "
+                f"expected one of {', '.join(sorted(backends))}"
+            )
     for key in ("global_batch_tokens", "peak_tflops"):
         if t[key] and cfg.task != "lm":
             raise ConfigError(

@@ -94,6 +94,10 @@ class Backbone(nn.Module):
         """The modules FSDP2 shards one by one before the root: the blocks."""
         return list(self.layers)
 
+    def compile_units(self) -> list[nn.Module]:
+        """The modules ``trainer.compile`` compiles one by one (in place): the blocks."""
+        return list(self.layers)
+
     def fsdp_forward_methods(self) -> tuple[str, ...]:
         """Methods besides ``forward`` that training calls on the model itself (the language model's loss
         calls ``forward_hidden`` then ``token_nll``): FSDP2 unshards the root's parameters around them too."""
