@@ -194,7 +194,13 @@ def main() -> None:
         "tokens/s",
         "x baseline",
         "compile s",
+        "% fp32 peak",
     ]
+    for row in rows:  # share of the fp32 matmul peak: the language model's analytic matmul FLOPs per token
+        flops = lm_flops_per_token(row[1])
+        row.append(
+            f"{100 * flops * row[6] / (peak * 1e9):.0f}%" if flops and isinstance(row[6], int) else "-"
+        )
     print()
     print(markdown_table(header, rows))
     if a.baseline is not None:
