@@ -111,6 +111,7 @@ def _train_worker(rank: int, world: int, port: int, dtype_name: str) -> None:
         if dtype == torch.float64:
             _eval_document(model, rank, world)
             _padded_layers(model, rank, world)
+            _validation_step(model, rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -132,6 +133,38 @@ def _eval_document(model: MegalodonLM, rank: int, world: int) -> None:
             nll = model.token_nll(hidden, doc["target"][:, start:stop]).sum()
             dist.all_reduce(nll)
             assert _rel(nll, ref) <= 1e-10, f"rank {rank}/{world} {mode}: eval NLL {nll} vs stream {ref}"
+
+
+def _validation_step(model: MegalodonLM, rank: int, world: int) -> None:
+    """CausalLM.validation_step under chunk parallelism: the ranks of a group read the same [B, L] batch and
+    each scores its slice, so the NLL, token and word totals summed over the ranks are the single-process
+    ones, each token counted once (L a multiple of P·C, and not: 37 tokens split unevenly)."""
+    from mega_suite.lightning import CausalLM
+
+    module = CausalLM(MegalodonConfig(**CFG), optim={}, trainer={}, total_steps=1)
+    module.model = model.eval()
+    for length in (8 * world, 37):
+        batch = _packed_batch(2, length, seed=4)
+        batch["target"] = batch["target"].clone()  # a view of the same stream as the input
+        batch["target"][0, 3] = -100
+        batch["words"] = torch.tensor([5, 6])
+        with torch.no_grad():
+            hidden, _ = model.forward_hidden(batch["input"])
+            ref = model.token_nll(hidden, batch["target"]).sum()
+            module.chunk_parallel = None
+            module._totals.clear()
+            module.validation_step(batch, 0)
+            assert module._totals[0][0] == pytest.approx(float(ref), rel=1e-12)  # the oracle agrees
+            module.chunk_parallel = ChunkParallelContext.from_group(None)
+            module._totals.clear()
+            module.validation_step(batch, 0)
+        nll, tokens, _, words = module._totals[0]
+        total = torch.tensor([nll, tokens, words or 0], dtype=torch.float64)
+        dist.all_reduce(total)
+        where = f"rank {rank}/{world} validation_step L={length}"
+        assert _rel(total[0], ref) <= 1e-10, f"{where}: NLL sum {float(total[0])} vs {float(ref)}"
+        assert total[1:].tolist() == [2 * length - 1, 11], f"{where}: tokens, words {total[1:].tolist()}"
+    assert all(m.chunk_parallel is None for m in model.modules() if hasattr(m, "chunk_parallel"))
 
 
 def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
