@@ -375,3 +375,20 @@ def _bf16_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
 def test_bf16_mixed_matches_single_process_bf16():
     """2 ranks, both modes, bf16 autocast + activation checkpointing."""
     spawn(_bf16_worker, 2, 2, free_port())
+
+
+def test_eval_context_split_across_two_ranks_equals_streaming():
+    """mode=eval_context with trainer.chunk_parallel=2: every window split across 2 spawned ranks gives the
+    single-rank streaming rows (float64); a window too short to split (4 tokens) is streamed by rank 0."""
+    from mega_suite.evaluate import eval_context, eval_context_chunk_parallel
+
+    model = _model(torch.float64)
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, CFG["vocab_size"], (n,), generator=g) for n in (38, 5, 61)]
+    lengths = [16, 64]
+    want = eval_context(model, docs, lengths, num_words=50, progress=False)
+    got = eval_context_chunk_parallel(model, docs, lengths, 2, num_words=50, progress=False)
+    for w, g_ in zip(want, got, strict=True):
+        assert g_["tokens"] == w["tokens"] == 37 + 4 + 60
+        assert g_["nll"] == pytest.approx(w["nll"], rel=1e-10), (g_, w)
+        assert g_["word_ppl"] == pytest.approx(w["word_ppl"], rel=1e-10)
