@@ -397,9 +397,14 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
         write_report,
     )
 
+    if any(p.is_meta for p in module.model.parameters()):
+        # sharding strategies (and so trainer.chunk_parallel) build the model on the meta device; here every
+        # process holds the whole model
+        module.materialize(sharded=False)
     if cfg.ckpt:
-        state = torch.load(cfg.ckpt, map_location="cpu", weights_only=True)
-        module.load_state_dict(state.get("state_dict", state))
+        from mega_suite.checkpoint import load_reference_file
+
+        load_reference_file(module.model, cfg.ckpt)  # a Lightning .ckpt, a state dict or a sharded directory
     else:
         print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
     dm.setup("validate")
