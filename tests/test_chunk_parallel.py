@@ -393,3 +393,38 @@ def test_eval_context_split_across_two_ranks_equals_streaming():
         assert g_["tokens"] == w["tokens"] == 37 + 4 + 60
         assert g_["nll"] == pytest.approx(w["nll"], rel=1e-10), (g_, w)
         assert g_["word_ppl"] == pytest.approx(w["word_ppl"], rel=1e-10)
+
+
+@pytest.mark.slow
+def test_run_eval_context_with_chunk_parallel_2(tmp_path, capfd):
+    """runner.run_eval_context with trainer.chunk_parallel=2 (a meta-initialised model, as strategy=fsdp
+    builds it): the rows of the single-rank streaming pass over the same documents and weights."""
+    from types import SimpleNamespace
+
+    from modality_fixtures import write_pg19
+    from omegaconf import OmegaConf
+
+    from datamodules.pg19 import PG19DataModule
+    from mega_suite.lightning import CausalLM
+    from mega_suite.runner import run_eval_context
+
+    write_pg19(tmp_path)
+    dm = PG19DataModule(str(tmp_path), batch_size=2, seq_len=32, eval_seq_len=24, vocab_size=320)
+    dm.prepare_data()
+    cfg = {**CFG, "vocab_size": dm.vocab_size}
+    rows = {}
+    for p in (1, 2):
+        module = CausalLM(MegalodonConfig(**cfg), optim={}, trainer={}, total_steps=1, meta_init=True,
+                          init_seed=7)  # fmt: skip
+        conf = OmegaConf.create(dict(
+            ckpt=None, eval_max_documents=1, eval_context_lengths=[16, 1000],
+            trainer=dict(accelerator="cpu", chunk_parallel=p, chunk_parallel_mode="parallel"),
+        ))  # fmt: skip
+        out = tmp_path / f"p{p}"
+        run_eval_context(conf, module, dm, SimpleNamespace(logger=None), out)
+        assert ("(2 chunk-parallel ranks)" in capfd.readouterr().out) == (p == 2)  # the split ran
+        table = (out / "eval_context.md").read_text().splitlines()[-2:]
+        rows[p] = [[float(v) for v in line.strip("|").split("|")[:4]] for line in table]
+    for one, two in zip(rows[1], rows[2], strict=True):  # context, tokens scored, token ppl, word ppl
+        assert two[:2] == one[:2]
+        assert two[2:] == pytest.approx(one[2:], rel=1e-5)
