@@ -113,6 +113,8 @@ def _train_worker(rank: int, world: int, port: int, dtype_name: str) -> None:
             _padded_layers(model, rank, world)
             if world == 4:  # the slow case: importing Lightning costs ~10 s a process on 2 cores
                 _validation_step(model, rank, world)
+            else:  # one spawn for both (a spawn costs seconds of imports)
+                _bf16_check(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -199,7 +201,9 @@ def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_float64_equals_full_pass(world):
-    """Training step (both modes) and the split-document evaluation equal the single-process passes."""
+    """Training step (both modes) and the split-document evaluation equal the single-process passes; world 2
+    also checks bf16-mixed with activation checkpointing (``_bf16_check``), world 4 the Lightning
+    validation step."""
     spawn(_train_worker, world, world, free_port(), "float64")
 
 
@@ -314,15 +318,12 @@ def test_context_rejects_bad_settings():
 # ------------------------------------------------------------------ bf16-mixed
 
 
-def _bf16_worker(rank: int, world: int, port: int) -> None:
+def _bf16_check(rank: int, world: int) -> None:
     """bf16 autocast (SPEC §1: CEMA and the norms are float32 islands) with activation checkpointing: the
     exchanged states are float32, and the chunk-parallel loss and gradients are as close to the float64 full
     pass as the single-process bf16-mixed full pass is (test_precision.py's rule: <= 2 x its error + atol)."""
     from mega_suite.chunk_parallel import ChunkParallelContext as Ctx
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     sent: list[torch.dtype] = []
     gather, send = Ctx._gather_plain, Ctx._send
 
@@ -351,12 +352,10 @@ def _bf16_worker(rank: int, world: int, port: int) -> None:
                 # counts are int64 (the count all-gather only runs with a padding mask)
                 states = [d for d in sent if d != torch.int64]
                 assert states and set(states) == {torch.float32}, f"{where}: states exchanged as {set(sent)}"
-
                 bad = {n: (got[n], base[n]) for n in got if got[n] > 2 * base[n] + 1e-3}
                 assert not bad, f"{where}: error vs float64 above 2 x single-process bf16 + 1e-3: {bad}"
     finally:
         Ctx._gather_plain, Ctx._send = gather, send
-        dist.destroy_process_group()
 
 
 def _plain_model(dtype: torch.dtype) -> MegalodonLM:
@@ -371,11 +370,6 @@ def _bf16_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
     for name, g in ref_grads.items():
         err[name] = float((grads[name].double() - g).norm() / g.norm().clamp(min=1e-30))
     return err
-
-
-def test_bf16_mixed_matches_single_process_bf16():
-    """2 ranks, both modes, bf16 autocast + activation checkpointing."""
-    spawn(_bf16_worker, 2, 2, free_port())
 
 
 def test_eval_context_split_across_two_ranks_equals_streaming():
