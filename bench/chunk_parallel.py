@@ -11,6 +11,13 @@ all-reduces: mostly waiting for the other ranks), median over the timed steps. "
 time of a step (all threads), the max over ranks: the work, whatever the contention for the cores.
 
     PYTHONPATH=. .venv/bin/python bench/chunk_parallel.py --markdown
+
+``--max-context GIB``: the longest context one training step fits in GIB of memory, for each P in
+``--worlds`` (parallel mode). Per rank, memory = the process's resident base (runtime, model, optimizer-free
+step) + activations linear in the tokens per rank; both are measured at ``--fit-lengths`` tokens per rank
+(one timed step each), the activation slope and intercept fitted by least squares, and the longest total
+length L solving P·(base + a + b·L/P) <= GIB (all P processes on one machine) and base + a + b·L/P <= GIB
+(each rank on its own device of GIB) reported, rounded down to P·C. Extrapolated beyond the measured lengths.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def _worker(rank: int, world: int, port: int, mode: str, total: int, steps: int,
             blocked.append(cp.stats.wait_s)
     peak = _status("VmHWM") - base
     med = statistics.median
-    out.put((rank, med(times), peak, max(sent, default=0), med(blocked or [0.0]), med(cpu)))
+    out.put((rank, med(times), peak, max(sent, default=0), med(blocked or [0.0]), med(cpu), base))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -114,7 +121,32 @@ def run(world: int, mode: str, total: int, steps: int) -> dict:
         world=world, mode=mode if world > 1 else "-", total=total, per_rank=total // world,
         step_s=rows[0][1], peak_mib=max(r[2] for r in rows) / 2**20, sent_kib=rows[0][3] / 1024,
         per_block_kib=rows[0][3] / 1024 / layers, blocked_s=rows[-1][4], cpu_s=max(r[5] for r in rows),
+        base_mib=max(r[6] for r in rows) / 2**20,
     )  # fmt: skip
+
+
+def max_context(worlds: list[int], lengths: list[int], budget_gib: float, steps: int) -> list[dict]:
+    """Measured points and the fitted longest context per P (see the module docstring)."""
+    chunk, rows = MODEL["chunk_size"], []
+    for world in worlds:
+        points = [run(world, "parallel", n * world, steps) for n in lengths]
+        for r in points:
+            print(r, flush=True)
+        xs, ys = [float(r["per_rank"]) for r in points], [r["peak_mib"] for r in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        icpt = my - slope * mx
+        base = max(r["base_mib"] for r in points)
+        budget = budget_gib * 1024
+        shared = (budget / world - base - icpt) / slope * world  # all P on one machine
+        own = (budget - base - icpt) / slope * world  # one device of budget per rank
+        step = world * chunk
+        rows.append(dict(
+            world=world, points=[(int(x), round(y)) for x, y in zip(xs, ys)], base_mib=base,
+            mib_per_1k=slope * 1024, shared=int(shared // step * step), own=int(own // step * step),
+        ))  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
@@ -126,8 +158,25 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--max-context", type=float, metavar="GIB", help="fit the longest context in GIB")
+    parser.add_argument("--fit-lengths", default="1024,2048,4096", help="tokens per rank measured")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
+    if args.max_context:
+        lengths = [int(n) for n in args.fit_lengths.split(",")]
+        rows = max_context(worlds, lengths, args.max_context, args.steps)
+        print(
+            f"\n| P | measured (tokens/rank: peak MiB/rank) | base MiB/rank | MiB per 1K tokens/rank | longest L, "
+            f"P on one {args.max_context:g} GiB machine | longest L, {args.max_context:g} GiB per rank |"
+        )
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            pts = ", ".join(f"{n}: {m}" for n, m in r["points"])
+            print(
+                f"| {r['world']} | {pts} | {r['base_mib']:.0f} | {r['mib_per_1k']:.0f} | {r['shared']} | "
+                f"{r['own']} |"
+            )
+        return
     results = []
     for scaling in ("strong", "weak"):
         for world in worlds:

@@ -51,9 +51,9 @@ from datamodules.text_lm import (
     TokenStream,
     check_token_file,
     decode_utf8,
+    eval_stream_rank,
     packed_train_loader,
     token_dtype,
-    trainer_rank,
     write_json_atomic,
 )
 
@@ -318,7 +318,7 @@ class PG19DataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader:
         offsets = self.book_offsets[split]
         documents = list(zip(offsets[:-1], offsets[1:]))
-        rank, world = trainer_rank(self)
+        rank, world = eval_stream_rank(self)
         dataset = StreamSegments(
             self.streams[split], documents, self.eval_seq_len, self.word_ends[split], rank=rank, world=world
         )

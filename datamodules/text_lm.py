@@ -368,3 +368,14 @@ def trainer_rank(datamodule) -> tuple[int, int]:
         return 0, 1
     # chunk parallelism: the data-parallel coordinates, not the world's
     return common.declared_data_parallel() or (int(trainer.global_rank), int(trainer.world_size))
+
+
+def eval_stream_rank(datamodule) -> tuple[int, int]:
+    """``(rank, world)`` over which streamed evaluation documents (``StreamSegments``) are split: every rank of
+    the world, chunk-parallel ones included. A streamed segment is short (one ``eval_seq_len``) and carries a
+    cache from the previous one, so under chunk parallelism the ranks of a group score different documents
+    rather than slices of the same one; the totals are summed over the world (``CausalLM``), each token once."""
+    trainer = getattr(datamodule, "trainer", None)
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)

@@ -48,6 +48,7 @@ from datamodules.text_lm import (
     VariableLengthBatches,
     check_token_file,
     decode_utf8,
+    eval_stream_rank,
     mean_batches_per_epoch,
     packed_train_loader,
     token_dtype,
@@ -232,7 +233,7 @@ class WikiText103DataModule(L.LightningDataModule):
         stream = _PrefixedStream(self.streams[split], self.eos_id)
         word_ends = np.ones(len(stream), dtype=np.uint8)  # every token is a word ...
         word_ends[0] = 0  # ... but the leading context <eos> is not scored
-        rank, world = trainer_rank(self)  # one document: rank 0 reads it, the others pad
+        rank, world = eval_stream_rank(self)  # one document: rank 0 reads it, the others pad
         dataset = StreamSegments(
             stream, [(0, len(stream))], self.eval_seq_len, word_ends=word_ends, rank=rank, world=world
         )

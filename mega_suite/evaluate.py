@@ -3,11 +3,21 @@
 For a context length W every document is cut into windows of W tokens, each scored from a fresh streaming
 cache, fed in segments of one attention chunk, so memory stays O(C) whatever W is. Every W scores the same
 tokens (all but each document's first), so word-level perplexity exp(NLL / words) is comparable across W.
+
+With chunk parallelism (``trainer.chunk_parallel=P``, SPEC §8) each window is instead split across P ranks
+in chunk-aligned slices (``slice_bounds(..., even=False)``: ceil(W/P) rounded up to C, the last shorter),
+every rank runs its slice at once with the TimestepNorm / CEMA states exchanged per layer
+(``mega_suite.chunk_parallel``), and the NLL sums of the ranks add up to the streaming pass's: memory and
+time per rank O(W/P). A window too short to give every rank a slice is streamed by rank 0 alone.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -66,6 +76,25 @@ def score_window(model, tokens: Tensor, segment: int) -> tuple[float, int]:
 
 
 @torch.no_grad()
+def score_window_split(model, tokens: Tensor, cp, segment: int) -> tuple[float, int]:
+    """This rank's share of the total NLL of tokens[1:] given their prefix in ``tokens`` [T] (the same on
+    every rank of ``cp``, a ChunkParallelContext): its chunk-aligned slice of the inputs, run with the state
+    exchange. Summed over the ranks: ``score_window``'s NLL and count."""
+    from mega_suite.chunk_parallel import slice_bounds
+
+    inputs, targets = tokens[:-1], tokens[1:]
+    try:
+        bounds = slice_bounds(inputs.shape[0], cp.world, model.cfg.chunk_size, even=False)
+    except ValueError:  # too short for every rank to get a slice; the same decision on every rank
+        return score_window(model, tokens, segment) if cp.rank == 0 else (0.0, 0)
+    start, stop = bounds[cp.rank]
+    with cp.with_lengths([b - a for a, b in bounds]).attached(model):
+        hidden, _ = model.forward_hidden(inputs[start:stop].unsqueeze(0))
+    y = targets[start:stop].unsqueeze(0)
+    return float(model.token_nll(hidden, y).sum()), y.numel()
+
+
+@torch.no_grad()
 def eval_context(
     model,
     documents: list[Tensor],
@@ -73,17 +102,26 @@ def eval_context(
     num_words: int | None = None,
     segment: int | None = None,
     progress: bool = True,
+    cp=None,
 ) -> list[dict]:
-    """Rows {context, tokens, nll, token_ppl, word_ppl, seconds} for each context length."""
+    """Rows {context, tokens, nll, token_ppl, word_ppl, seconds} for each context length.
+
+    ``cp`` (a ChunkParallelContext; every rank of its group calls this with the same documents): each
+    window split across the group (``score_window_split``), totals summed over it; rank 0 prints."""
+    import torch.distributed as dist
+
     model.eval()
     segment = segment or model.eval_segment()
     device = next(model.parameters()).device
     rows = []
     total_tokens = sum(max(0, d.numel() - 1) for d in documents)
+    speak = cp is None or cp.rank == 0
     for w in context_lengths:
         t0 = time.perf_counter()
         nll, count = 0.0, 0
-        bar = tqdm(total=total_tokens, desc=f"context {w}", unit="tok", disable=not progress, leave=False)
+        bar = tqdm(
+            total=total_tokens, desc=f"context {w}", unit="tok", disable=not (progress and speak), leave=False
+        )
         for doc in documents:
             doc = doc.to(device)
             # Windows of w inputs; consecutive windows share one boundary token (its last target, next first input).
@@ -91,21 +129,88 @@ def eval_context(
                 window = doc[start : start + w + 1]
                 if window.numel() < 2:
                     continue
-                n, c = score_window(model, window, segment)
+                if cp is None:
+                    n, c = score_window(model, window, segment)
+                else:
+                    n, c = score_window_split(model, window, cp, segment)
                 nll, count = nll + n, count + c
-                bar.update(c)
+                bar.update(window.numel() - 1)
         bar.close()
+        if cp is not None:
+            total = torch.tensor([nll, float(count)], dtype=torch.float64, device=device)
+            dist.all_reduce(total, group=cp.group)
+            nll, count = float(total[0]), int(total[1])
         row = dict(context=w, tokens=count, nll=nll, token_ppl=math.exp(min(nll / max(1, count), 50.0)))
         if num_words:
             row["word_ppl"] = math.exp(min(nll / num_words, 50.0))
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
-        print(
-            f"[eval_context] context {w:>9d}: token ppl {row['token_ppl']:.3f}"
-            + (f", word ppl {row['word_ppl']:.3f}" if num_words else "")
-            + f" ({row['seconds']:.1f} s)"
-        )
+        if speak:
+            print(
+                f"[eval_context] context {w:>9d}: token ppl {row['token_ppl']:.3f}"
+                + (f", word ppl {row['word_ppl']:.3f}" if num_words else "")
+                + (f" ({cp.world} chunk-parallel ranks)" if cp is not None else "")
+                + f" ({row['seconds']:.1f} s)"
+            )
     return rows
+
+
+def eval_context_chunk_parallel(
+    model,
+    documents: list[Tensor],
+    context_lengths: list[int],
+    world: int,
+    mode: str = "parallel",
+    device_type: str = "cpu",
+    **kwargs,
+) -> list[dict]:
+    """``eval_context`` over ``world`` chunk-parallel processes spawned here (gloo on CPU, NCCL with one GPU
+    per rank on CUDA), every rank holding the whole model: one window of W tokens needs O(W/P) memory per
+    rank. Returns rank 0's rows (the group's totals)."""
+    import torch.multiprocessing as mp
+
+    if world < 2:
+        return eval_context(model, documents, context_lengths, **kwargs)
+    if device_type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"trainer.chunk_parallel={world} needs {world} GPUs for eval_context, {torch.cuda.device_count()} "
+            "visible"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        args = (world, port, model.cpu(), documents, context_lengths, mode, device_type, kwargs, out)
+        mp.spawn(_chunk_parallel_worker, args=args, nprocs=world, join=True)
+        return torch.load(out, weights_only=True)
+
+
+def _chunk_parallel_worker(
+    rank, world, port, model, documents, context_lengths, mode, device_type, kwargs, out
+) -> None:
+    import torch.distributed as dist
+
+    from mega_suite.chunk_parallel import ChunkParallelContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        cp = ChunkParallelContext.from_group(None, mode=mode)
+        rows = eval_context(model.to(device), documents, context_lengths, cp=cp, **kwargs)
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+    # gloo's background threads can abort the interpreter's teardown (SIGABRT) after a successful run,
+    # which mp.spawn would report as a failure: leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_report(rows: list[dict], out_dir: Path, writer=None, note: str = "") -> tuple[Path, Path]:

@@ -293,9 +293,23 @@ class CausalLM(SuiteModule):
         dist.all_reduce(mean, group=cp.group)
         return share * cp.world, mean
 
+    def _chunk_parallel_hidden(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
+        """Evaluation of a [B, L] batch under chunk parallelism: this rank's chunk-aligned slice (the slices
+        of training when P·C divides L, else ceil(L/P) rounded up to C, the last shorter), run with the
+        group's state exchange. Returns (hidden, target) of the slice: the NLL sums of the group's ranks add
+        up to the whole batch's, each token counted once."""
+        from mega_suite.chunk_parallel import slice_bounds
+
+        length, chunk = batch["input"].shape[1], self.model.cfg.chunk_size
+        bounds = slice_bounds(length, cp.world, chunk, even=length % (cp.world * chunk) == 0)
+        start, stop = bounds[cp.rank]
+        with cp.with_lengths([b - a for a, b in bounds]).attached(self.model):
+            hidden, _ = self.model.forward_hidden(batch["input"][:, start:stop])
+        return hidden, batch["target"][:, start:stop]
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The chunk-parallel hooks stay attached through the backward (activation checkpointing recomputes
-        # the norms and CEMA there) and are cleared before any evaluation, which runs unsliced.
+        # the norms and CEMA there) and are cleared before any evaluation, which attaches its own.
         if self.chunk_parallel is not None:
             from mega_suite.chunk_parallel import attach
 
@@ -315,18 +329,23 @@ class CausalLM(SuiteModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         target = batch["target"]
+        cp, counts_words = self.chunk_parallel, True
         if "first_segment" in batch:
+            # Streaming loaders split documents across ranks (StreamSegments; under chunk parallelism across
+            # every rank, datamodules.text_lm.eval_stream_rank): totals are summed like the others.
             cache = None if bool(batch["first_segment"].any()) else self._stream_cache.get(dataloader_idx)
             hidden, cache = self.model.forward_hidden(batch["input"], cache, use_cache=True)
             self._stream_cache[dataloader_idx] = cache
+        elif cp is not None:  # the ranks of a chunk group read the same batch: each scores its slice
+            hidden, target = self._chunk_parallel_hidden(batch, cp)
+            counts_words = cp.rank == 0
         else:
             hidden, _ = self.model.forward_hidden(batch["input"])
         nll = self.model.token_nll(hidden, target).sum()
-        # Streaming loaders split documents across ranks (StreamSegments): totals are summed like the others.
         totals = self._totals.setdefault(dataloader_idx, [0.0, 0, "first_segment" in batch, None])
         totals[0] += float(nll)
         totals[1] += int((target != -100).sum())
-        if "words" in batch:
+        if "words" in batch and counts_words:
             totals[3] = (totals[3] or 0) + int(batch["words"].sum())
 
     def _log_totals(self) -> None:

@@ -391,12 +391,18 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
         default_context_lengths,
         documents_from_segments,
         eval_context,
+        eval_context_chunk_parallel,
         write_report,
     )
 
+    if any(p.is_meta for p in module.model.parameters()):
+        # sharding strategies (and so trainer.chunk_parallel) build the model on the meta device; here every
+        # process holds the whole model
+        module.materialize(sharded=False)
     if cfg.ckpt:
-        state = torch.load(cfg.ckpt, map_location="cpu", weights_only=True)
-        module.load_state_dict(state.get("state_dict", state))
+        from mega_suite.checkpoint import load_reference_file
+
+        load_reference_file(module.model, cfg.ckpt)  # a Lightning .ckpt, a state dict or a sharded directory
     else:
         print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
     dm.setup("validate")
@@ -412,7 +418,13 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
     # Words of the documents evaluated (all of them, or the first eval_max_documents).
     words = sum(doc_words[: len(docs)]) or (getattr(dm, "num_words", None) or {}).get("val")
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
-    rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
+    if cfg.trainer.chunk_parallel > 1:  # each window split across P spawned ranks (SPEC §8)
+        rows = eval_context_chunk_parallel(
+            module.model, docs, lengths, cfg.trainer.chunk_parallel, cfg.trainer.chunk_parallel_mode,
+            device.type, num_words=words,
+        )  # fmt: skip
+    else:
+        rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
     writer = getattr(trainer.logger, "experiment", None)
     from mega_suite.models import arch_of
 

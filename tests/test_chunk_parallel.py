@@ -111,6 +111,10 @@ def _train_worker(rank: int, world: int, port: int, dtype_name: str) -> None:
         if dtype == torch.float64:
             _eval_document(model, rank, world)
             _padded_layers(model, rank, world)
+            if world == 4:  # the slow case: importing Lightning costs ~10 s a process on 2 cores
+                _validation_step(model, rank, world)
+            else:  # one spawn for both (a spawn costs seconds of imports)
+                _bf16_check(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -132,6 +136,38 @@ def _eval_document(model: MegalodonLM, rank: int, world: int) -> None:
             nll = model.token_nll(hidden, doc["target"][:, start:stop]).sum()
             dist.all_reduce(nll)
             assert _rel(nll, ref) <= 1e-10, f"rank {rank}/{world} {mode}: eval NLL {nll} vs stream {ref}"
+
+
+def _validation_step(model: MegalodonLM, rank: int, world: int) -> None:
+    """CausalLM.validation_step under chunk parallelism: the ranks of a group read the same [B, L] batch and
+    each scores its slice, so the NLL, token and word totals summed over the ranks are the single-process
+    ones, each token counted once (L a multiple of P·C, and not: 37 tokens split unevenly)."""
+    from mega_suite.lightning import CausalLM
+
+    module = CausalLM(MegalodonConfig(**CFG), optim={}, trainer={}, total_steps=1)
+    module.model = model.eval()
+    for length in (8 * world, 37):
+        batch = _packed_batch(2, length, seed=4)
+        batch["target"] = batch["target"].clone()  # a view of the same stream as the input
+        batch["target"][0, 3] = -100
+        batch["words"] = torch.tensor([5, 6])
+        with torch.no_grad():
+            hidden, _ = model.forward_hidden(batch["input"])
+            ref = model.token_nll(hidden, batch["target"]).sum()
+            module.chunk_parallel = None
+            module._totals.clear()
+            module.validation_step(batch, 0)
+            assert module._totals[0][0] == pytest.approx(float(ref), rel=1e-12)  # the oracle agrees
+            module.chunk_parallel = ChunkParallelContext.from_group(None)
+            module._totals.clear()
+            module.validation_step(batch, 0)
+        nll, tokens, _, words = module._totals[0]
+        total = torch.tensor([nll, tokens, words or 0], dtype=torch.float64)
+        dist.all_reduce(total)
+        where = f"rank {rank}/{world} validation_step L={length}"
+        assert _rel(total[0], ref) <= 1e-10, f"{where}: NLL sum {float(total[0])} vs {float(ref)}"
+        assert total[1:].tolist() == [2 * length - 1, 11], f"{where}: tokens, words {total[1:].tolist()}"
+    assert all(m.chunk_parallel is None for m in model.modules() if hasattr(m, "chunk_parallel"))
 
 
 def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
@@ -165,7 +201,9 @@ def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_float64_equals_full_pass(world):
-    """Training step (both modes) and the split-document evaluation equal the single-process passes."""
+    """Training step (both modes) and the split-document evaluation equal the single-process passes; world 2
+    also checks bf16-mixed with activation checkpointing (``_bf16_check``), world 4 the Lightning
+    validation step."""
     spawn(_train_worker, world, world, free_port(), "float64")
 
 
@@ -275,3 +313,112 @@ def test_context_rejects_bad_settings():
     assert cp.offset(5) == 8
     with pytest.raises(ValueError, match="got a slice of 4 tokens, its context says 5"):
         cp.offset(4)
+
+
+# ------------------------------------------------------------------ bf16-mixed
+
+
+def _bf16_check(rank: int, world: int) -> None:
+    """bf16 autocast (SPEC §1: CEMA and the norms are float32 islands) with activation checkpointing: the
+    exchanged states are float32, and the chunk-parallel loss and gradients are as close to the float64 full
+    pass as the single-process bf16-mixed full pass is (test_precision.py's rule: <= 2 x its error + atol)."""
+    from mega_suite.chunk_parallel import ChunkParallelContext as Ctx
+
+    sent: list[torch.dtype] = []
+    gather, send = Ctx._gather_plain, Ctx._send
+
+    def spy_gather(self, t):
+        sent.append(t.dtype)
+        return gather(self, t)
+
+    def spy_send(self, t, dst, tag):
+        sent.append(t.dtype)
+        return send(self, t, dst, tag)
+
+    Ctx._gather_plain, Ctx._send = spy_gather, spy_send  # this spawned process only
+    try:
+        batch = _packed_batch(2, 8 * world, seed=1)
+        ref_loss, _, ref_grads, _ = _step(_plain_model(torch.float64), batch)
+        model = _plain_model(torch.float32)
+        model.gradient_checkpointing = True
+        with torch.autocast("cpu", torch.bfloat16):
+            base = _bf16_errors(*_step(model, batch)[::2], ref_loss, ref_grads)
+            mine = slice_batch(batch, rank, world, CFG["chunk_size"])
+            for mode in ("parallel", "sequential"):
+                sent.clear()
+                cp = ChunkParallelContext.from_group(None, mode=mode)
+                got = _bf16_errors(*_step(model, mine, cp)[::2], ref_loss, ref_grads)
+                where = f"rank {rank}/{world} {mode} bf16-mixed"
+                # counts are int64 (the count all-gather only runs with a padding mask)
+                states = [d for d in sent if d != torch.int64]
+                assert states and set(states) == {torch.float32}, f"{where}: states exchanged as {set(sent)}"
+                bad = {n: (got[n], base[n]) for n in got if got[n] > 2 * base[n] + 1e-3}
+                assert not bad, f"{where}: error vs float64 above 2 x single-process bf16 + 1e-3: {bad}"
+    finally:
+        Ctx._gather_plain, Ctx._send = gather, send
+
+
+def _plain_model(dtype: torch.dtype) -> MegalodonLM:
+    """Default initialisation: ``_model``'s +3 norm biases leave bf16 gradients ~50% off even unsplit, too
+    loose a yardstick (here ~1%)."""
+    torch.manual_seed(0)
+    return MegalodonLM(MegalodonConfig(**CFG)).to(dtype)
+
+
+def _bf16_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
+    err = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
+    for name, g in ref_grads.items():
+        err[name] = float((grads[name].double() - g).norm() / g.norm().clamp(min=1e-30))
+    return err
+
+
+def test_eval_context_split_across_two_ranks_equals_streaming():
+    """mode=eval_context with trainer.chunk_parallel=2: every window split across 2 spawned ranks gives the
+    single-rank streaming rows (float64); a window too short to split (4 tokens) is streamed by rank 0."""
+    from mega_suite.evaluate import eval_context, eval_context_chunk_parallel
+
+    model = _model(torch.float64)
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, CFG["vocab_size"], (n,), generator=g) for n in (38, 5, 61)]
+    lengths = [16, 64]
+    want = eval_context(model, docs, lengths, num_words=50, progress=False)
+    got = eval_context_chunk_parallel(model, docs, lengths, 2, num_words=50, progress=False)
+    for w, g_ in zip(want, got, strict=True):
+        assert g_["tokens"] == w["tokens"] == 37 + 4 + 60
+        assert g_["nll"] == pytest.approx(w["nll"], rel=1e-10), (g_, w)
+        assert g_["word_ppl"] == pytest.approx(w["word_ppl"], rel=1e-10)
+
+
+@pytest.mark.slow
+def test_run_eval_context_with_chunk_parallel_2(tmp_path, capfd):
+    """runner.run_eval_context with trainer.chunk_parallel=2 (a meta-initialised model, as strategy=fsdp
+    builds it): the rows of the single-rank streaming pass over the same documents and weights."""
+    from types import SimpleNamespace
+
+    from modality_fixtures import write_pg19
+    from omegaconf import OmegaConf
+
+    from datamodules.pg19 import PG19DataModule
+    from mega_suite.lightning import CausalLM
+    from mega_suite.runner import run_eval_context
+
+    write_pg19(tmp_path)
+    dm = PG19DataModule(str(tmp_path), batch_size=2, seq_len=32, eval_seq_len=24, vocab_size=320)
+    dm.prepare_data()
+    cfg = {**CFG, "vocab_size": dm.vocab_size}
+    rows = {}
+    for p in (1, 2):
+        module = CausalLM(MegalodonConfig(**cfg), optim={}, trainer={}, total_steps=1, meta_init=True,
+                          init_seed=7)  # fmt: skip
+        conf = OmegaConf.create(dict(
+            ckpt=None, eval_max_documents=1, eval_context_lengths=[16, 1000],
+            trainer=dict(accelerator="cpu", chunk_parallel=p, chunk_parallel_mode="parallel"),
+        ))  # fmt: skip
+        out = tmp_path / f"p{p}"
+        run_eval_context(conf, module, dm, SimpleNamespace(logger=None), out)
+        assert ("(2 chunk-parallel ranks)" in capfd.readouterr().out) == (p == 2)  # the split ran
+        table = (out / "eval_context.md").read_text().splitlines()[-2:]
+        rows[p] = [[float(v) for v in line.strip("|").split("|")[:4]] for line in table]
+    for one, two in zip(rows[1], rows[2], strict=True):  # context, tokens scored, token ppl, word ppl
+        assert two[:2] == one[:2]
+        assert two[2:] == pytest.approx(one[2:], rel=1e-5)

@@ -1,5 +1,6 @@
 """trainer.chunk_parallel=2 end to end (issue 12's must-show): two CPU processes (gloo), each training on its
-chunk-aligned half of the same sequences, log the same training losses as one process with the same seed."""
+chunk-aligned half of the same sequences, log the same training losses as one process with the same seed,
+and the same validation and test metrics (the streamed documents split over both ranks, each scored once)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL_LM = [
     "recipe=kjv", "model.num_layers=2", "model.model_dim=16", "model.z_dim=8", "model.value_dim=16",
     "model.ffn_hidden_dim=16", "model.cema_ndim=2", "model.norm_num_groups=4", "model.chunk_size=32",
-    "data.batch_size=2", "data.options.seq_len=64", "optim.warmup_steps=2", "trainer.progress_bar=false",
-    "trainer.log_every_n_steps=1", "trainer.val_check_interval=100000", "trainer.limit_val_batches=2",
-    "trainer.limit_test_batches=2", "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.max_steps=3",
+    "data.batch_size=2", "data.options.seq_len=64", "data.options.eval_seq_len=2048", "optim.warmup_steps=2",
+    "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1.0", "trainer.limit_test_batches=2", "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.max_steps=3",
 ]  # fmt: skip
 
 
-def _losses(run_dir: Path) -> list[float]:
+EVAL_TAGS = ("val/loss", "val/word_ppl", "test/loss", "test/word_ppl")
+
+
+def _scalars(run_dir: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
-    return [e.value for e in acc.Scalars("train/loss")]
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in ("train/loss", *EVAL_TAGS)}
 
 
-def _run(data_dir: Path, run_dir: Path, *extra: str) -> list[float]:
+def _run(data_dir: Path, run_dir: Path, *extra: str) -> dict[str, list[float]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("MEGA_SUITE_RUN", None)
     args = [
@@ -41,7 +45,7 @@ def _run(data_dir: Path, run_dir: Path, *extra: str) -> list[float]:
     ]
     proc = subprocess.run([*args, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return _losses(run_dir)
+    return _scalars(run_dir)
 
 
 @pytest.mark.slow
@@ -60,8 +64,12 @@ def test_two_chunk_parallel_ranks_log_the_single_process_losses(mode, tmp_path_f
         "trainer.chunk_parallel=2",
         f"trainer.chunk_parallel_mode={mode}",
     )
-    assert len(one) == len(two) == 3
-    assert two == pytest.approx(one, rel=1e-5)
+    assert len(one["train/loss"]) == len(two["train/loss"]) == 3
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-5)
+    # the whole validation split (2 books: one per rank under cp=2) at step 3, val and test loaders
+    for tag in EVAL_TAGS:
+        assert len(one[tag]) == len(two[tag]) == 1, (tag, one[tag], two[tag])
+        assert two[tag] == pytest.approx(one[tag], rel=1e-5), tag
 
 
 def test_chunk_parallel_configuration_errors(tmp_path):
