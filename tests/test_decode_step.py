@@ -93,10 +93,11 @@ def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol):
     torch.testing.assert_close(decode_logits(model, tokens, prompt=2), ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("change", ["optimizer", "load_state_dict"])
+@pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "in_place", "new_parameter"])
 def test_packed_weights_follow_parameter_changes(change):
-    """Decode, change the weights (an optimizer step, or a state dict loaded in place), decode again: the
-    logits are the new weights' full pass, never the old packs'."""
+    """Decode, change the weights (an optimizer step, a state dict loaded in place, an in-place edit, a
+    parameter replaced by a new one), decode again: the logits are the new weights' full pass, never the
+    old packs'."""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
     decode_logits(model, tokens, prompt=2)  # builds the packs
@@ -107,8 +108,14 @@ def test_packed_weights_follow_parameter_changes(change):
         model(tokens)[0].square().mean().backward()
         opt.step()
         model.eval()
-    else:
+    elif change == "load_state_dict":
         model.load_state_dict(make_lm(seed=5).state_dict())
+    elif change == "in_place":
+        with torch.no_grad():
+            model.layers[1].mega.wv.weight.mul_(1.5)
+    else:
+        fc2 = model.layers[0].nffn.fc2
+        fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
     got = decode_logits(model, tokens, prompt=2)
     new_plan = model.decode_plan()
     want = float64_logits(model, tokens)

@@ -100,7 +100,8 @@ class BlockPack:
         self.gamma_c = gamma.conj().resolve_conj()  # vecdot(a, h) = Σ conj(a) h, so this gives Σ γ h
         self.omega = att.cema.omega.squeeze(-1).float()
         rms = 1 + att.rmsnorm.weight.float()  # folded into the three GEMVs that read m
-        self.rms_eps = att.rmsnorm.eps
+        self.rms_eps_t = torch.tensor(att.rmsnorm.eps, device=rms.device)
+        self.eps_t = torch.tensor(cfg.norm_eps, device=rms.device)
         w_m = torch.cat([att.wz.weight, att.wr.weight, att.wh1.weight]).float() * rms
         b_m = torch.cat([att.wz.bias, att.wr.bias, att.wh1.bias]).float()
         self.gemv_m = Gemv(w_m, b_m, dtype, kind)
@@ -125,7 +126,10 @@ class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str):
-        self.key = plan_key(model, dtype, kind)
+        self.options = (dtype, kind)
+        self.params = list(model.parameters())
+        self.key = self.current_key()
+        self.params_checked = True
         self.blocks = [BlockPack(layer, dtype, kind) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
@@ -133,9 +137,23 @@ class DecodePlan:
         self.final_w1, self.final_b = 1 + fn.weight.float(), fn.bias.float()
         self.final_groups, self.final_eps = fn.num_groups, fn.eps
 
+    def current_key(self) -> tuple:
+        """Storage pointer and version counter of every parameter packed: an in-place update (optimizer
+        step, ``load_state_dict``) bumps the version, a conversion (``to``) moves the storage."""
+        return tuple((p.data_ptr(), p._version) for p in self.params)
 
-def plan_key(model: nn.Module, dtype: torch.dtype, kind: str) -> tuple:
-    return (dtype, kind, *((p.data_ptr(), p._version) for p in model.parameters()))
+    def is_current(self, model: nn.Module, dtype: torch.dtype, kind: str) -> bool:
+        """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
+        replaced by a new one) is compared only when ``params_checked`` was cleared: at every call that
+        is not a single-token step (listing them costs more than the version check)."""
+        if self.options != (dtype, kind):
+            return False
+        if not self.params_checked:
+            current = list(model.parameters())
+            if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params)):
+                return False
+            self.params_checked = True
+        return self.key == self.current_key()
 
 
 def check_decode_options(dtype: torch.dtype, kind: str, device: torch.device) -> None:
@@ -155,16 +173,23 @@ def timestep_norm_step(
     y = (x − M') / sqrt(V' + eps) · (1 + w) + b. x [B, D]."""
     count0, mean0, var0 = state
     bsz, d = x.shape
-    xg = x.view(bsz, groups, d // groups)
-    var_t, mu_t = torch.var_mean(xg.double(), dim=-1, unbiased=False)  # [B, G]
-    inv_n = (count0 + 1).double().reciprocal().unsqueeze(-1)  # [B, 1]
-    delta = mu_t - mean0
+    xd = x.view(bsz, groups, d // groups).double()
+    _, mu_t, rstd_t = torch.native_layer_norm(xd, (d // groups,), None, None, 0.0)  # μ_t, 1/σ_t: [B, G, 1]
+    count = count0 + 1
+    inv_n = count.double().reciprocal().view(bsz, 1, 1)
+    delta = mu_t - mean0.unsqueeze(-1)
     step = delta * inv_n
-    mean = mean0 + step
-    var = torch.addcmul(torch.addcmul(var0, var_t - var0, inv_n), step, delta - step)
-    rstd = torch.rsqrt(var + eps).float()
-    y = torch.addcmul(b, ((xg - mean.float().unsqueeze(-1)) * rstd.unsqueeze(-1)).view(bsz, d), w1)
-    return y, (count0 + 1, mean.to(mean0.dtype), var.to(var0.dtype))
+    mean = mean0.unsqueeze(-1) + step
+    var0 = var0.unsqueeze(-1)
+    var = torch.addcmul(torch.addcmul(var0, rstd_t.pow(-2) - var0, inv_n), step, delta - step)
+    y = ((xd - mean) * torch.rsqrt(var + eps)).view(bsz, d).float()
+    return torch.addcmul(b, y, w1), (count, mean.view(bsz, groups).float(), var.view(bsz, groups).float())
+
+
+def rms_scale(x: Tensor, eps_t: Tensor, n: int) -> Tensor:
+    """1 / sqrt(mean(x²) + eps) over the last dim, as rsqrt(eps + ‖x‖²/n) (one reduction: a norm)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.rsqrt(torch.addcmul(eps_t, norm, norm, value=1.0 / n))
 
 
 def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
@@ -178,10 +203,10 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
     px = pk.p * x_hat.unsqueeze(-1)
     state = px.to(pk.q.dtype) if cache.cema is None else torch.addcmul(px, pk.q, cache.cema)  # p x + q h
     cema_out = torch.addcmul(torch.linalg.vecdot(pk.gamma_c, state).real, pk.omega, x_hat)
-    m = F.rms_norm(cema_out, (pk.d,), None, pk.rms_eps)  # (1 + w) is in the m-pack's weights
+    m = cema_out * rms_scale(cema_out, pk.rms_eps_t, pk.d)  # (1 + w) is in the m-pack's weights
     zrh = pk.gemv_m(m)  # [B, Z + E + D]: z, r, and m W_h1 + b_h1
-    z_hat = F.rms_norm(zrh[:, :z].view(bsz, h, zd), (zd,), None, pk.eps)
-    qk = torch.addcmul(pk.qk_beta, z_hat, pk.qk_scale)  # [2, B, h, zd]
+    zh = zrh[:, :z].view(bsz, h, zd)
+    qk = torch.addcmul(pk.qk_beta, zh, rms_scale(zh, pk.eps_t, zd) * pk.qk_scale)  # [2, B, h, zd]
     qk = torch.view_as_real(torch.view_as_complex(qk.view(2, bsz, h, zd // 2, 2)) * pk.rope[offset])
     qk = qk.view(2, bsz, 1, h, zd)
     v = F.silu(pk.gemv_v(x_hat)).view(bsz, 1, h, e // h)

@@ -612,6 +612,8 @@ class MegalodonLM(Backbone):
             cache = self.new_cache(tokens.shape[0])
         if tokens.shape[1] == 1 and self._can_step(cache):
             return self._step_token(tokens[:, 0], cache)
+        if self._decode_plan is not None:
+            self._decode_plan.params_checked = False
         outs = []
         for piece in self._pieces(tokens.shape[1], cache):
             out, cache = self._stream_piece(tokens[:, piece], cache)
@@ -698,9 +700,9 @@ class MegalodonLM(Backbone):
     @torch.no_grad()
     def decode_plan(self) -> decode.DecodePlan:
         """The packed decode weights, rebuilt if any parameter changed since they were packed (training,
-        ``load_state_dict``, ``to``): the key holds every parameter's storage pointer and version counter."""
+        ``load_state_dict``, ``to``; see ``decode.DecodePlan.is_current``)."""
         plan = self._decode_plan
-        if plan is None or plan.key != decode.plan_key(self, *self._decode_options):
+        if plan is None or not plan.is_current(self, *self._decode_options):
             plan = self._decode_plan = decode.DecodePlan(self, *self._decode_options)
         return plan
 
