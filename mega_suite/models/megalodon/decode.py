@@ -174,14 +174,14 @@ def timestep_norm_step(
     count0, mean0, var0 = state
     bsz, d = x.shape
     xd = x.view(bsz, groups, d // groups).double()
-    _, mu_t, rstd_t = torch.native_layer_norm(xd, (d // groups,), None, None, 0.0)  # μ_t, 1/σ_t: [B, G, 1]
+    var_t, mu_t = torch.var_mean(xd, dim=-1, unbiased=False, keepdim=True)  # [B, G, 1]; serial (tiny)
     count = count0 + 1
     inv_n = count.double().reciprocal().view(bsz, 1, 1)
     delta = mu_t - mean0.unsqueeze(-1)
     step = delta * inv_n
     mean = mean0.unsqueeze(-1) + step
     var0 = var0.unsqueeze(-1)
-    var = torch.addcmul(torch.addcmul(var0, rstd_t.pow(-2) - var0, inv_n), step, delta - step)
+    var = torch.addcmul(torch.addcmul(var0, var_t - var0, inv_n), step, delta - step)
     y = ((xd - mean) * torch.rsqrt(var + eps)).view(bsz, d).float()
     return torch.addcmul(b, y, w1), (count, mean.view(bsz, groups).float(), var.view(bsz, groups).float())
 
