@@ -11,7 +11,8 @@ Every path runs on its own copy of the model and its own stream, and the paths t
   bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
 - ``segment``: the full-pass kernels on one token (``MegalodonLM._can_step`` off);
 - the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
-  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``).
+  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``); with ``--compile`` also through
+  ``torch.compile`` (fp32 and int8; the compile time is printed).
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -36,11 +37,13 @@ import torch
 from bench.common import machine_description, markdown_table, setup_threads
 
 PATHS = [
-    ("fp32 matmul", torch.float32, "matmul"),
-    ("fp32 mkldnn", torch.float32, "mkldnn"),
-    ("bf16 matmul", torch.bfloat16, "matmul"),
-    ("bf16 mkldnn", torch.bfloat16, "mkldnn"),
-    ("int8", torch.int8, "matmul"),
+    ("fp32 matmul", torch.float32, "matmul", False),
+    ("fp32 mkldnn", torch.float32, "mkldnn", False),
+    ("bf16 matmul", torch.bfloat16, "matmul", False),
+    ("bf16 mkldnn", torch.bfloat16, "mkldnn", False),
+    ("int8", torch.int8, "matmul", False),
+    ("fp32 compiled", torch.float32, "matmul", True),
+    ("int8 compiled", torch.int8, "matmul", True),
 ]
 
 
@@ -122,6 +125,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also the torch.compile'd step (fp32, int8)")
     args = ap.parse_args()
     setup_threads(args.threads)
     print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
@@ -133,10 +137,16 @@ def main() -> None:
     base = create_model("megalodon_cpu_bench").eval()
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
     numel = sum(p.numel() for p in base.parameters())
-    paths = [(n, d, g) for n, d, g in PATHS if g != "mkldnn" or decode.mkldnn_available(torch.device("cpu"))]
+    mkldnn = decode.mkldnn_available(torch.device("cpu"))
+    paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and (args.compile or not p[3])]
     streams = {"segment": Stream(base, prompt, segment=True)}
-    for name, dtype, gemv in paths:
-        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
+    for name, dtype, gemv, compiled in paths:
+        t0 = time.perf_counter()
+        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv, compiled), prompt)
+        for _ in range(3):
+            streams[name].next()
+        if compiled:
+            print(f"{name}: compile and first 3 tokens {time.perf_counter() - t0:.1f} s", flush=True)
     reads = floors(numel)
     names = list(reads) + list(streams)
     rows = []
