@@ -129,17 +129,3 @@ def test_decode_options_are_checked():
         model.to_decode_dtype(torch.float16)
     with pytest.raises(ValueError, match="decode gemv must be one of"):
         model.to_decode_dtype(torch.float32, "cublas")
-
-
-@pytest.mark.slow
-def test_compiled_decode_equals_float64_full_pass(monkeypatch):
-    """``to_decode_dtype(..., compile=True)``: the Inductor-compiled step gives the float64 pass's logits."""
-    model = make_lm(num_heads=2, chunk_size=16).to_decode_dtype(torch.float32, compile=True)  # one branch
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
-    compiled = []
-    real = decode.compiled_block_step()
-    monkeypatch.setattr(decode, "compiled_block_step", lambda: compiled.append(1) or real)
-    got = decode_logits(model, tokens, prompt=3)
-    assert len(compiled) == 6 * model.cfg.num_layers
-    want = float64_logits(model, tokens)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())

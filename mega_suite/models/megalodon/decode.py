@@ -85,8 +85,7 @@ class Gemv:
 class BlockPack:
     """One block's decode constants and packed weights (see the module docstring)."""
 
-    def __init__(self, block: nn.Module, dtype: torch.dtype, kind: str, compiled: bool = False):
-        self.compiled = compiled
+    def __init__(self, block: nn.Module, dtype: torch.dtype, kind: str):
         att, ffn = block.mega, block.nffn
         cfg = att.cfg
         d, z, e, h = cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads
@@ -126,12 +125,12 @@ class BlockPack:
 class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str, compiled: bool = False):
-        self.options = (dtype, kind, compiled)
+    def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str):
+        self.options = (dtype, kind)
         self.params = list(model.parameters())
         self.key = self.current_key()
         self.params_checked = True
-        self.blocks = [BlockPack(layer, dtype, kind, compiled) for layer in model.layers]
+        self.blocks = [BlockPack(layer, dtype, kind) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
         fn = model.output.final_norm
@@ -143,11 +142,11 @@ class DecodePlan:
         step, ``load_state_dict``) bumps the version, a conversion (``to``) moves the storage."""
         return tuple((p.data_ptr(), p._version) for p in self.params)
 
-    def is_current(self, model: nn.Module, dtype: torch.dtype, kind: str, compiled: bool = False) -> bool:
+    def is_current(self, model: nn.Module, dtype: torch.dtype, kind: str) -> bool:
         """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
         replaced by a new one) is compared only when ``params_checked`` was cleared: at every call that
         is not a single-token step (listing them costs more than the version check)."""
-        if self.options != (dtype, kind, compiled):
+        if self.options != (dtype, kind):
             return False
         if not self.params_checked:
             current = list(model.parameters())
@@ -223,12 +222,6 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
     out = pk.gemv_2(a, add=x)
     full = offset + 1 == pk.chunk
     return out, LayerCache(norm_state, state, None if full else kv, cache.window)
-
-
-@functools.cache
-def compiled_block_step():
-    """``block_step`` through ``torch.compile`` (dynamic shapes: the cached keys grow every token)."""
-    return torch.compile(block_step, dynamic=True)
 
 
 @functools.lru_cache(maxsize=16)

@@ -404,9 +404,7 @@ class MegalodonBlock(nn.Module):
         """One token, no autograd: x [B, D] float32 at absolute position ``pos`` -> (X + FFN(LN(H + X)), cache),
         through ``decode.block_step`` with this block's packed weights (``MegalodonLM`` passes its plan's;
         without one, float32 weights are packed for this call)."""
-        pack = pack or decode.BlockPack(self, torch.float32, "matmul")
-        step = decode.compiled_block_step() if pack.compiled else decode.block_step
-        return step(pack, x, cache, pos)
+        return decode.block_step(pack or decode.BlockPack(self, torch.float32, "matmul"), x, cache, pos)
 
 
 # --------------------------------------------------------------------------- language model
@@ -683,23 +681,19 @@ class MegalodonLM(Backbone):
             self._window_statistics(new)
         return x.unsqueeze(1), new
 
-    _decode_options = (torch.float32, "matmul", False)
+    _decode_options = (torch.float32, "matmul")
     _decode_plan = None
 
     @torch.no_grad()
-    def to_decode_dtype(
-        self, dtype: torch.dtype | None, gemv: str = "matmul", compile: bool = False
-    ) -> MegalodonLM:
+    def to_decode_dtype(self, dtype: torch.dtype | None, gemv: str = "matmul") -> MegalodonLM:
         """Weights of the one-token path: ``dtype`` float32 (or ``None``), torch.bfloat16, or torch.int8
         (weight-only, per-row scales); ``gemv`` "matmul" or "mkldnn" (oneDNN with reordered weights, CPU).
         The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
         rebuilt whenever a parameter changes. Activations, CEMA, every norm's statistics and the logits
-        stay float32. ``compile=True`` runs each block's step through ``torch.compile`` (Inductor, dynamic
-        shapes: the first token compiles, ~20 s on a 2-core CPU; complex CEMA / RoPE products stay eager
-        kernels inside the graph)."""
+        stay float32."""
         dtype = torch.float32 if dtype is None else dtype
         decode.check_decode_options(dtype, gemv, self.output.final_norm.weight.device)
-        self._decode_options = (dtype, gemv, bool(compile))
+        self._decode_options = (dtype, gemv)
         self._decode_plan = None
         return self
 
