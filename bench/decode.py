@@ -11,8 +11,7 @@ Every path runs on its own copy of the model and its own stream, and the paths t
   bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
 - ``segment``: the full-pass kernels on one token (``MegalodonLM._can_step`` off);
 - the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
-  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``); with ``--compile`` also through
-  ``torch.compile`` (fp32 and int8; the compile time is printed).
+  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``).
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -42,8 +41,6 @@ PATHS = [
     ("bf16 matmul", torch.bfloat16, "matmul", False),
     ("bf16 mkldnn", torch.bfloat16, "mkldnn", False),
     ("int8", torch.int8, "matmul", False),
-    ("fp32 compiled", torch.float32, "matmul", True),
-    ("int8 compiled", torch.int8, "matmul", True),
 ]
 
 
@@ -125,7 +122,6 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also the torch.compile'd step (fp32, int8)")
     args = ap.parse_args()
     setup_threads(args.threads)
     print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
@@ -138,15 +134,10 @@ def main() -> None:
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
     numel = sum(p.numel() for p in base.parameters())
     mkldnn = decode.mkldnn_available(torch.device("cpu"))
-    paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and (args.compile or not p[3])]
+    paths = [p for p in PATHS if p[2] != "mkldnn" or mkldnn]
     streams = {"segment": Stream(base, prompt, segment=True)}
-    for name, dtype, gemv, compiled in paths:
-        t0 = time.perf_counter()
-        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv, compiled), prompt)
-        for _ in range(3):
-            streams[name].next()
-        if compiled:
-            print(f"{name}: compile and first 3 tokens {time.perf_counter() - t0:.1f} s", flush=True)
+    for name, dtype, gemv, _ in paths:
+        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
     reads = floors(numel)
     names = list(reads) + list(streams)
     rows = []
