@@ -211,10 +211,17 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
     qk = qk.view(2, bsz, 1, h, zd)
     v = F.silu(pk.gemv_v(x_hat)).view(bsz, 1, h, e // h)
     r = F.silu(zrh[:, z : z + e])
-    kv = ChunkKV.new(qk[1], v, pk.chunk) if cache.kv is None or offset == 0 else cache.kv.append(qk[1], v)
+    q, k = qk[0], qk[1]
+    if cache.kv is None or offset == 0:
+        kv = ChunkKV.new(k, v, pk.chunk)
+    else:
+        kdt = cache.kv.k_buf.dtype  # bf16 when the chunk's earlier tokens ran under autocast
+        if kdt != q.dtype:
+            q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
+        kv = cache.kv.append(k, v)
     keys, values = kv.keys, kv.values  # [B, n, h, *]
-    scores = torch.matmul(qk[0].transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
-    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2))  # [B, h, 1, E/h]
+    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
+    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()  # [B, h, 1, E/h]
     y = pk.gemv_h2((o.view(bsz, e) * r), add=zrh[:, z + e :]).add_(x)  # H + X
     u = F.layer_norm(y, (pk.d,), None, None, pk.ln_eps)
     g = pk.gemv_13(u)

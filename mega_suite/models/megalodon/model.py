@@ -596,7 +596,8 @@ class MegalodonLM(Backbone):
         """
         if tokens.dim() == 2 and tokens.shape[1] == 1 and cache is not None and self._can_step(cache):
             x, cache = self._step_token(tokens[:, 0], cache)
-            return self._decode_plan.head(x[:, 0]).unsqueeze(1), cache  # the head's packed weight
+            with torch.autocast(tokens.device.type, enabled=False):  # float32 logits (SPEC §5)
+                return self._decode_plan.head(x[:, 0]).unsqueeze(1), cache  # the head's packed weight
         x, cache = self.forward_hidden(tokens, cache, use_cache)
         return self.logits(x), cache
 
@@ -665,7 +666,12 @@ class MegalodonLM(Backbone):
         )
 
     def _step_token(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
-        """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache)."""
+        """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache). Autocast is
+        off inside: the plan's weight dtype decides the GEMVs' precision, everything else is float32."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self._step_token_fp32(tokens, cache)
+
+    def _step_token_fp32(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
         plan = self.decode_plan()
         pos = cache.position
         x = self.embed_tokens(tokens)
