@@ -1,19 +1,28 @@
 """Single-token decode of ``megalodon_cpu_bench`` against the weight-read floor, all in one process.
 
-    python -m bench.decode                       # 3 rounds, prompt 300, 60 tokens per measurement
-    python -m bench.decode --rounds 5 --tokens 100 --profile
+    python -m bench.decode                              # 2 threads, 3 rounds of 40 tokens, prompt 300
+    python -m bench.decode --threads 1 --rounds 3 --tokens 60 --profile
 
-Per round, alternating: the fp32 weight-read floor (one GEMV over a matrix holding as many fp32 values as
-the model has parameters, ``bench.common.weight_read_floor``), the same in bf16, greedy decode through the
-segment path (``forward_hidden`` pieces: the full-pass kernels on one token), through the one-token path
-(``MegalodonBlock.step``), and through the one-token path with bf16 decode weights
-(``model.to_decode_dtype(torch.bfloat16)``). Median ms/token over the tokens after 5 warm-up tokens.
-``--profile`` adds the aten op count and the time by op of one step of the one-token path.
+Every path runs on its own copy of the model and its own stream, and the paths take turns token by token
+(round robin, the floors included), so a load spike on a shared machine hits all of them alike. Paths:
+
+- floors: one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix holding as many weights as the model
+  (``bench.common.weight_read_floor``'s matrix), row-major (``mv``) and column-major (``mv Wᵀ``: the same
+  bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
+- ``segment``: the full-pass kernels on one token (``MegalodonLM._can_step`` off);
+- the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
+  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``).
+
+Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
+``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
+nested calls) and a profile of one fp32 step.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
 import statistics
 import sys
 import time
@@ -24,79 +33,146 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import machine_description, markdown_table, setup_threads, weight_read_floor
+from bench.common import machine_description, markdown_table, setup_threads
+
+PATHS = [
+    ("fp32 matmul", torch.float32, "matmul", False),
+    ("fp32 mkldnn", torch.float32, "mkldnn", False),
+    ("bf16 matmul", torch.bfloat16, "matmul", False),
+    ("bf16 mkldnn", torch.bfloat16, "mkldnn", False),
+    ("int8", torch.int8, "matmul", False),
+]
 
 
-def decode_ms(model, prompt, tokens: int, one_token_path: bool) -> float:
-    from mega_suite.models.megalodon.model import MegalodonLM
+class Stream:
+    """One model copy decoding greedily from its own cache; ``next()`` times one token."""
 
-    can_step = MegalodonLM._can_step
-    if not one_token_path:
-        MegalodonLM._can_step = lambda self, cache: False
-    try:
+    def __init__(self, model, prompt, segment: bool = False):
+        self.model, self.prompt, self.segment = model, prompt, segment
+        self.restart()
+
+    def restart(self) -> None:
         with torch.inference_mode():
-            logits, cache = model(prompt, use_cache=True)
-            token = logits[:, -1:].argmax(-1)
-            times = []
-            for _ in range(tokens + 5):
+            logits, self.cache = self.model(self.prompt, use_cache=True)
+        self.token = logits[:, -1:].argmax(-1)
+
+    def next(self) -> float:
+        from mega_suite.models.megalodon.model import MegalodonLM
+
+        can_step = MegalodonLM._can_step
+        if self.segment:
+            MegalodonLM._can_step = lambda self, cache: False
+        try:
+            with torch.inference_mode():
                 t0 = time.perf_counter()
-                logits, cache = model(token, cache)
-                token = logits[:, -1:].argmax(-1)
-                times.append(time.perf_counter() - t0)
-    finally:
-        MegalodonLM._can_step = can_step
-    return statistics.median(times[5:]) * 1e3
+                logits, self.cache = self.model(self.token, self.cache)
+                self.token = logits[:, -1:].argmax(-1)
+                return time.perf_counter() - t0
+        finally:
+            MegalodonLM._can_step = can_step
+
+
+def floors(numel: int) -> dict:
+    """name -> a function reading ``numel`` weights once (one GEMV)."""
+    rows = (numel + 1023) // 1024
+    w = torch.randn(rows, 1024)
+    wt = w.t().contiguous()
+    x = torch.randn(1024)
+    wb, xb, wtb = w.bfloat16(), x.bfloat16(), wt.bfloat16()
+    w8 = torch.randint(-127, 128, (rows, 1024), dtype=torch.int8)
+    s8 = torch.rand(rows, dtype=torch.bfloat16)
+    return {
+        "floor fp32 mv": lambda: torch.mv(w, x),
+        "floor fp32 mv Wᵀ": lambda: torch.mv(wt.t(), x),
+        "floor bf16 mv": lambda: torch.mv(wb, xb),
+        "floor bf16 mv Wᵀ": lambda: torch.mv(wtb.t(), xb),
+        "floor int8": lambda: torch.ops.aten._weight_int8pack_mm(xb[None], w8, s8),
+    }
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def op_counts(stream: Stream) -> tuple[int, int]:
+    """(top-level aten dispatches, profiler aten events with nested calls) of one token."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        stream.next()
+    with torch.profiler.profile() as prof:
+        stream.next()
+    nested = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return Count.n, nested
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=300)
-    ap.add_argument("--tokens", type=int, default=60)
+    ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    setup_threads()
-    print(f"# bench/decode.py  ({' '.join(sys.argv[1:]) or 'defaults'})")
-    print(machine_description())
+    setup_threads(args.threads)
+    print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
+    print(machine_description(args.threads))
     from mega_suite import create_model
+    from mega_suite.models.megalodon import decode
 
     torch.manual_seed(0)
-    model = create_model("megalodon_cpu_bench").eval()
-    prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt))
+    base = create_model("megalodon_cpu_bench").eval()
+    prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
+    numel = sum(p.numel() for p in base.parameters())
+    mkldnn = decode.mkldnn_available(torch.device("cpu"))
+    paths = [p for p in PATHS if p[2] != "mkldnn" or mkldnn]
+    streams = {"segment": Stream(base, prompt, segment=True)}
+    for name, dtype, gemv, _ in paths:
+        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
+    reads = floors(numel)
+    names = list(reads) + list(streams)
     rows = []
     for r in range(args.rounds):
-        floor = weight_read_floor(model) * 1e3
-        floor16 = weight_read_floor(model, torch.bfloat16) * 1e3
-        seg = decode_ms(model, prompt, args.tokens, False)
-        step = decode_ms(model, prompt, args.tokens, True)
-        model.to_decode_dtype(torch.bfloat16)
-        step16 = decode_ms(model, prompt, args.tokens, True)
-        model.to_decode_dtype(None)
-        rows.append([
-            str(r + 1), f"{floor:.2f}", f"{floor16:.2f}", f"{seg:.2f}", f"{step:.2f}", f"{step / floor:.2f}x",
-            f"{seg / step:.2f}x", f"{step16:.2f}", f"{step16 / floor16:.2f}x",
-        ])  # fmt: skip
+        times = collections.defaultdict(list)
+        for s in streams.values():
+            s.restart()
+            for _ in range(3):  # warm-up: first-call allocations, plan packing
+                s.next()
+        for f in reads.values():
+            f()
+        for i in range(args.tokens):
+            for name, f in reads.items():
+                times[name].append(timed(f))
+            for name, s in streams.items():
+                if name != "segment" or i % 4 == 0:  # the slow path: every 4th turn
+                    times[name].append(s.next())
+        med = {n: statistics.median(times[n]) * 1e3 for n in names}
+        floor = med["floor fp32 mv"]
+        rows.append([str(r + 1)] + [f"{med[n]:.2f} ({med[n] / floor:.2f}x)" for n in names])
         print("  " + " | ".join(rows[-1]), flush=True)
     print(
-        f"\nGreedy decode, batch 1, prompt {args.prompt}, median of {args.tokens} tokens; floors = one GEMV "
-        "over as many weights as the model has, same process, same round:\n"
+        f"\nGreedy decode, batch 1, prompt {args.prompt}, {args.threads} threads, median ms per token over "
+        f"{args.tokens} tokens per round (segment path: {args.tokens // 4}), round robin; in brackets: "
+        "/ the fp32 mv floor of the same round:\n"
     )
-    print(markdown_table(
-        ["round", "fp32 floor ms", "bf16 floor ms", "segment path ms", "one-token path ms", "/ fp32 floor",
-         "speed-up", "bf16 weights ms", "/ bf16 floor"],
-        rows,
-    ))  # fmt: skip
+    print(markdown_table(["round"] + names, rows))
     if args.profile:
-        with torch.inference_mode():
-            logits, cache = model(prompt, use_cache=True)
-            token = logits[:, -1:].argmax(-1)
-            logits, cache = model(token, cache)  # a cache is continued once (twice would copy its KV)
-            with torch.profiler.profile() as prof:
-                model(token, cache)
-        events = prof.key_averages()
-        top = [e for e in events if e.key.startswith("aten::")]
-        print(f"\naten ops per token (nested calls included): {sum(e.count for e in top)}")
-        print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+        print("\naten ops per token (top-level dispatches / profiler events with nested calls):")
+        for name, s in streams.items():
+            top, nested = op_counts(s)
+            print(f"  {name}: {top} / {nested}")
+        with torch.profiler.profile() as prof:
+            streams["fp32 matmul"].next()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

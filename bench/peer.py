@@ -11,7 +11,7 @@ weights, the two output dataclasses) is put in ``sys.modules`` inside the port's
 
 Model: ``megalodon_cpu_bench`` (4 layers, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16, G 64, C 2048, V 512),
 mapped to the port's config field by field (``PEER_FIELDS``). The port always ties its output head to the
-embedding (V x D = 0.26M fewer parameters); everything else matches. fp32, batch 1, 2 threads.
+embedding (V x D = 0.26M fewer parameters); everything else matches. fp32, batch 1, 2 threads (``--threads``).
 
 Each measurement runs in a fresh spawned process (peak memory = its VmHWM, see ``bench/common.py``), ours
 then theirs, for ``--rounds`` rounds; the ratio is printed per pair of runs, never against a figure taken at
@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens ingested before decoding")
     ap.add_argument("--decode-tokens", type=int, default=100)
     ap.add_argument("--mem-cap-gb", type=float, default=18.0)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides")
     args = ap.parse_args()
     src = peer_source(args.peer)
     if src is None:
@@ -256,17 +257,17 @@ def main() -> None:
             "and pass its path. Skipped."
         )
         return
-    setup_threads()
+    setup_threads(args.threads)
     print(f"# bench/peer.py  ({' '.join(sys.argv[1:])})")
-    print(machine_description())
+    print(machine_description(args.threads))
     print(f"port: {src}")
     peer = str(args.peer)
 
     def pair(fn, **kw) -> list[tuple[Measurement, Measurement]]:
         out = []
         for _ in range(args.rounds):
-            a = run_isolated(fn, args.mem_cap_gb, which="ours", peer=peer, **kw)
-            b = run_isolated(fn, args.mem_cap_gb, which="peer", peer=peer, **kw)
+            a = run_isolated(fn, args.mem_cap_gb, args.threads, which="ours", peer=peer, **kw)
+            b = run_isolated(fn, args.mem_cap_gb, args.threads, which="peer", peer=peer, **kw)
             for m in (a, b):
                 if not m.ok:
                     print(f"  run failed: {m.status} {m.message}", flush=True)

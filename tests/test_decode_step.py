@@ -1,14 +1,18 @@
-"""The one-token decode path (``MegalodonLM._step_token`` / ``MegalodonBlock.step``): float32 decode logits
-equal the float64 full pass to float32 rounding, across chunk boundaries and with several heads; the
-windowed-statistics mode agrees with the segment path; bf16 decode weights stay close and leave the model's
-parameters untouched."""
+"""The one-token decode path (``MegalodonLM._step_token`` / ``MegalodonBlock.step`` / ``decode.block_step``):
+float32 decode logits equal the float64 full pass to float32 rounding, with packed and folded weights, both
+GEMV kernels, across chunk boundaries, with several heads, layer scale and the plain SiLU FFN; the
+windowed-statistics mode agrees with the segment path; bf16 and int8 decode weights stay within their
+rounding of the float64 pass and leave the parameters untouched; the packed weights never go stale."""
 
 import pytest
 import test_model as tm
 import torch
 
 from mega_suite import MegalodonLM
+from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.model import MegalodonBlock
+
+GEMVS = ["matmul"] + (["mkldnn"] if decode.mkldnn_available(torch.device("cpu")) else [])
 
 
 def make_lm(seed=0, **overrides):
@@ -29,19 +33,32 @@ def decode_logits(model, tokens, prompt, window_stats=False):
     return torch.cat(outs, 1)
 
 
-@pytest.mark.parametrize("num_heads", [1, 2])
-def test_fp32_decode_equals_float64_full_pass(num_heads, monkeypatch):
-    model = make_lm(num_heads=num_heads)
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 15), generator=torch.Generator().manual_seed(1))
+def float64_logits(model, tokens):
+    with torch.no_grad():
+        return model.double()(tokens)[0]
+
+
+def count_steps(monkeypatch):
     calls = []
     step = MegalodonBlock.step
     monkeypatch.setattr(MegalodonBlock, "step", lambda self, *a: calls.append(1) or step(self, *a))
-    got = decode_logits(model, tokens, prompt=3)  # 12 single tokens over offsets 3, 0..3, 0..3, 0..2
-    assert len(calls) == 12 * model.cfg.num_layers  # the one-token path ran
-    with torch.no_grad():
-        want, _ = model.double()(tokens)
-    scale = want.abs().max()
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "gemv, prompt, overrides",
+    [(g, 3, {"num_heads": h}) for g in GEMVS for h in (1, 2)]
+    + [("matmul", 1, {"layer_scale": True}), ("matmul", 2, {"swiglu": False, "num_heads": 1})],
+)
+def test_fp32_decode_equals_float64_full_pass(gemv, prompt, overrides, monkeypatch):
+    model = make_lm(**overrides).to_decode_dtype(torch.float32, gemv)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 15), generator=torch.Generator().manual_seed(1))
+    calls = count_steps(monkeypatch)
+    got = decode_logits(model, tokens, prompt)  # single tokens over offsets 3, 0..3, 0..3, 0..2
+    steps = tokens.shape[1] - prompt + (prompt == 1)  # a 1-token prompt on a fresh cache steps too
+    assert len(calls) == steps * model.cfg.num_layers  # the one-token path ran
+    want = float64_logits(model, tokens)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
 
 
 def test_window_stats_decode_equals_segment_path(monkeypatch):
@@ -53,17 +70,73 @@ def test_window_stats_decode_equals_segment_path(monkeypatch):
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_decode_weights_are_close_and_separate():
+@pytest.mark.parametrize(
+    "dtype, gemv, tol",
+    [(torch.bfloat16, g, 0.03) for g in GEMVS] + [(torch.int8, "matmul", 0.05)],
+)
+def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol):
+    """bf16 (8 mantissa bits) and int8 (per-row scale / 127) weights: the logits within a few percent of
+    the float64 pass's largest logit; the parameters are not touched, and float32 again is exact."""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     ref = decode_logits(model, tokens, prompt=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.to_decode_dtype(torch.bfloat16)
-    got = decode_logits(model, tokens, prompt=2)
-    assert model.layers[0].mega.wz.decode_weight.dtype == torch.bfloat16
+    got = decode_logits(model.to_decode_dtype(dtype, gemv), tokens, prompt=2)
+    assert model.decode_plan().blocks[0].gemv_m.dtype == dtype
     assert got.dtype == torch.float32
-    assert (got - ref).abs().max() > 0  # the bf16 weights were used
-    torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * ref.abs().max().item())
+    assert (got[:, 2:] - ref[:, 2:]).abs().max() > 1e-4  # the low-precision weights were used
+    want = float64_logits(model, tokens).float()
+    model.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * want.abs().max().item())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     model.to_decode_dtype(None)
     torch.testing.assert_close(decode_logits(model, tokens, prompt=2), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "in_place", "new_parameter"])
+def test_packed_weights_follow_parameter_changes(change):
+    """Decode, change the weights (an optimizer step, a state dict loaded in place, an in-place edit, a
+    parameter replaced by a new one), decode again: the logits are the new weights' full pass, never the
+    old packs'."""
+    model = make_lm()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    decode_logits(model, tokens, prompt=2)  # builds the packs
+    old_plan = model.decode_plan()
+    if change == "optimizer":
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(tokens)[0].square().mean().backward()
+        opt.step()
+        model.eval()
+    elif change == "load_state_dict":
+        model.load_state_dict(make_lm(seed=5).state_dict())
+    elif change == "in_place":
+        with torch.no_grad():
+            model.layers[1].mega.wv.weight.mul_(1.5)
+    else:
+        fc2 = model.layers[0].nffn.fc2
+        fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
+    got = decode_logits(model, tokens, prompt=2)
+    new_plan = model.decode_plan()
+    want = float64_logits(model, tokens)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+    assert new_plan is not old_plan
+
+
+def test_decode_options_are_checked():
+    model = make_lm()
+    with pytest.raises(ValueError, match="decode weight dtype must be one of"):
+        model.to_decode_dtype(torch.float16)
+    with pytest.raises(ValueError, match="decode gemv must be one of"):
+        model.to_decode_dtype(torch.float32, "cublas")
+
+
+def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
+    """A fresh stream's CEMA state is None (zeros, skipped by the prompt's pass); while a chunk-parallel
+    context is attached, h0=None means "this rank's slice", so the state is explicit zeros."""
+    model = make_lm()
+    assert all(lc.cema is None for lc in model.new_cache(2).layers)
+    model.layers[1].mega.cema.chunk_parallel = object()  # what ChunkParallelContext.attached sets
+    layers = model.new_cache(2).layers
+    assert layers[0].cema is None
+    assert layers[1].cema.dtype == torch.complex64 and not layers[1].cema.any()

@@ -13,7 +13,6 @@ Every module re-initialises itself with ``reset_parameters()``, so models can be
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from mega_suite.models.common import (
     init_linear,
     rope,
 )
+from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.config import MegalodonConfig
 
 NormState = tuple[Tensor, Tensor, Tensor]
@@ -234,7 +234,7 @@ class LayerCache:
     """Streaming state of one block: TimestepNorm statistics, CEMA state, KV of the unfinished chunk."""
 
     norm: NormState
-    cema: Tensor  # [B, D, N] complex
+    cema: Tensor | None  # [B, D, N] complex; None before the first token (zeros)
     kv: ChunkKV | None = None  # at most C - 1 tokens
     window: NormWindow | None = None  # windowed-statistics mode only
 
@@ -343,43 +343,6 @@ class MegalodonAttention(nn.Module):
         out = self.wh1(m) + self.wh2(gated)
         return out, new_cache
 
-    def step(self, x: Tensor, cache: LayerCache, pos: int) -> tuple[Tensor, LayerCache]:
-        """One token, no autograd (decoding): x [B, D] at absolute position ``pos`` -> (Y [B, D], cache).
-
-        The same equations as ``forward`` with a cache, with fewer ops: the single-step Welford update,
-        h_t = p x_t + q h_{t-1} and y_t = Re(sum_n gamma_n h_t,n) + omega x_t with cached coefficients,
-        RoPE as one complex product with a cached table, and one query over the chunk's cached keys
-        without a mask (it sees all of them): softmax(q K^T) V.
-        """
-        cfg = self.cfg
-        b, h = x.shape[0], self.num_heads
-        zd = cfg.z_dim // h
-        offset = pos % cfg.chunk_size
-        x_hat, norm_state = self.timenorm(x.unsqueeze(1), cache.norm)
-        x_hat = x_hat.squeeze(1)
-        p, q, gamma = self.cema.coefficients()
-        state = torch.addcmul(p * x_hat.unsqueeze(-1), q, cache.cema)  # [B, D, N] complex
-        cema_out = torch.addcmul(
-            torch.linalg.vecdot(gamma.conj(), state).real, self.cema.omega.squeeze(-1), x_hat
-        )
-        m = self.rmsnorm(cema_out)
-        z = decode_linear(self.wz, m).view(b, 1, h, zd)
-        z_hat = z * torch.rsqrt(z.square().mean(-1, keepdim=True) + cfg.norm_eps)
-        scale = (1 + self.gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
-        qk = torch.addcmul(self.beta.view(2, 1, 1, h, zd), z_hat.unsqueeze(0), scale)  # [2, B, 1, h, zd]
-        rot = _rope_table(zd, cfg.rope_base, cfg.chunk_size, x.device)[offset]
-        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (zd // 2, 2))) * rot).flatten(-2)
-        v = F.silu(decode_linear(self.wv, x_hat)).view(b, 1, h, -1)
-        r = F.silu(decode_linear(self.wr, m))
-        k = qk[1].to(v.dtype)
-        kv = ChunkKV.new(k, v, cfg.chunk_size) if cache.kv is None or offset == 0 else cache.kv.append(k, v)
-        keys, values = kv.keys, kv.values  # [B, n, h, *]
-        scores = torch.matmul(qk[0].to(v.dtype).permute(0, 2, 1, 3), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
-        o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2))  # [B, h, 1, E/h]
-        out = decode_linear(self.wh1, m) + decode_linear(self.wh2, o.reshape(b, -1) * r)
-        full = offset + 1 == cfg.chunk_size
-        return out, LayerCache(norm_state, state, None if full else kv, cache.window)
-
 
 class NormalizedFFN(nn.Module):
     """LayerNorm -> SwiGLU (or SiLU) FFN, optional layer scale (SPEC §1, second half)."""
@@ -435,38 +398,13 @@ class MegalodonBlock(nn.Module):
         out = x + drop_path(F.dropout(self.nffn(y), p, self.training), self.drop_path, self.training)
         return out, cache
 
-    def step(self, x: Tensor, cache: LayerCache, pos: int) -> tuple[Tensor, LayerCache]:
-        """One token, no autograd: x [B, D] -> (X + FFN(LN(H + X)), cache); see ``MegalodonAttention.step``."""
-        h, cache = self.mega.step(x, cache, pos)
-        ffn = self.nffn
-        u = ffn.norm(h + x)
-        a = F.silu(decode_linear(ffn.fc1, u))
-        if ffn.fc3 is not None:
-            a = a * decode_linear(ffn.fc3, u)
-        out = decode_linear(ffn.fc2, a)
-        return x + (out * ffn.alpha if ffn.alpha is not None else out), cache
-
-
-def decode_linear(linear: nn.Linear, x: Tensor) -> Tensor:
-    """``linear(x)`` in decoding, with the low-precision copy of the weight that
-    ``MegalodonLM.to_decode_dtype`` made if there is one (input cast to it, output back to x's dtype)."""
-    w = getattr(linear, "decode_weight", None)
-    if w is None:
-        return F.linear(x, linear.weight, linear.bias)
-    if x.shape[0] == 1:  # one row: mv; bf16 addmm / mm with one row take a slow path on CPU (~100x)
-        out = torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
-    else:
-        out = F.linear(x.to(w.dtype), w).to(x.dtype)
-    return out if linear.bias is None else out + linear.bias
-
-
-@functools.lru_cache(maxsize=16)
-def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor:
-    """exp(i * t * base^(-2j/d)) for chunk offsets t < C, complex64 [C, d/2]: RoPE of one token at offset t
-    is the complex product of its interleaved pairs with row t (``common.rope``'s rotation)."""
-    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angle = torch.arange(chunk, dtype=torch.float64).unsqueeze(-1) * inv
-    return torch.polar(torch.ones_like(angle), angle).to(device, torch.complex64)
+    def step(
+        self, x: Tensor, cache: LayerCache, pos: int, pack: decode.BlockPack | None = None
+    ) -> tuple[Tensor, LayerCache]:
+        """One token, no autograd: x [B, D] float32 at absolute position ``pos`` -> (X + FFN(LN(H + X)), cache),
+        through ``decode.block_step`` with this block's packed weights (``MegalodonLM`` passes its plan's;
+        without one, float32 weights are packed for this call)."""
+        return decode.block_step(pack or decode.BlockPack(self, torch.float32, "matmul"), x, cache, pos)
 
 
 # --------------------------------------------------------------------------- language model
@@ -640,13 +578,16 @@ class MegalodonLM(Backbone):
         return self.cfg.chunk_size  # one attention chunk: the streaming cache stays O(C)
 
     def new_cache(self, batch: int, window_stats: bool = False) -> StreamingCache:
-        ref = self.output.final_norm.weight
         layers = []
         for layer in self.layers:
-            cema_mod = layer.mega.cema
-            ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64
-            h = torch.zeros(batch, self.cfg.model_dim, self.cfg.cema_ndim, dtype=ctype, device=ref.device)
             norm = layer.mega.timenorm.initial_state(batch)
+            # CEMA state None = zeros: the prompt's pass then skips the carried-state terms (no zero work).
+            # Not while chunk parallelism is attached: there h0=None means "this rank's slice" (SPEC §8).
+            cema_mod, h = layer.mega.cema, None
+            if cema_mod.chunk_parallel is not None:
+                ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64
+                d, n = self.cfg.model_dim, self.cfg.cema_ndim
+                h = torch.zeros(batch, d, n, dtype=ctype, device=cema_mod.alpha.device)
             layers.append(LayerCache(norm, h, window=NormWindow(norm) if window_stats else None))
         final = self.output.final_norm.initial_state(batch)
         return StreamingCache(0, layers, final, window_stats, NormWindow(final) if window_stats else None)
@@ -659,6 +600,10 @@ class MegalodonLM(Backbone):
         With ``cache`` (or ``use_cache=True``) the call continues a stream: any split of a sequence into
         segments gives the same logits as one full pass. Segments may have any length.
         """
+        if tokens.dim() == 2 and tokens.shape[1] == 1 and cache is not None and self._can_step(cache):
+            x, cache = self._step_token(tokens[:, 0], cache)
+            with torch.autocast(tokens.device.type, enabled=False):  # float32 logits (SPEC §5)
+                return self._decode_plan.head(x[:, 0]).unsqueeze(1), cache  # the head's packed weight
         x, cache = self.forward_hidden(tokens, cache, use_cache)
         return self.logits(x), cache
 
@@ -674,6 +619,8 @@ class MegalodonLM(Backbone):
             cache = self.new_cache(tokens.shape[0])
         if tokens.shape[1] == 1 and self._can_step(cache):
             return self._step_token(tokens[:, 0], cache)
+        if self._decode_plan is not None:
+            self._decode_plan.params_checked = False
         outs = []
         for piece in self._pieces(tokens.shape[1], cache):
             out, cache = self._stream_piece(tokens[:, piece], cache)
@@ -720,32 +667,56 @@ class MegalodonLM(Backbone):
 
         ref = self.output.final_norm.weight
         sharded = isinstance(self.layers[0], FSDPModule)  # block.step bypasses FSDP2's gather hooks
-        return not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive and not sharded
+        return (
+            not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive and not sharded
+        )
 
     def _step_token(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
-        """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache)."""
+        """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache). Autocast is
+        off inside: the plan's weight dtype decides the GEMVs' precision, everything else is float32."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self._step_token_fp32(tokens, cache)
+
+    def _step_token_fp32(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
+        plan = self.decode_plan()
         pos = cache.position
         x = self.embed_tokens(tokens)
         new_layers = []
-        for layer, lc in zip(self.layers, cache.layers):
-            x, lc = layer.step(x, lc, pos)
+        for layer, pack, lc in zip(self.layers, plan.blocks, cache.layers):
+            x, lc = layer.step(x, lc, pos, pack)
             new_layers.append(lc)
-        x, final_state = self.output.final_norm(x.unsqueeze(1), cache.final_norm)
+        x, final_state = decode.timestep_norm_step(
+            x, cache.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
+        )
         new = StreamingCache(pos + 1, new_layers, final_state, cache.window_stats, cache.final_window)
         if cache.window_stats and (pos + 1) % self.cfg.chunk_size == 0:
             self._window_statistics(new)
-        return x, new
+        return x.unsqueeze(1), new
+
+    _decode_options = (torch.float32, "matmul")
+    _decode_plan = None
 
     @torch.no_grad()
-    def to_decode_dtype(self, dtype: torch.dtype | None) -> MegalodonLM:
-        """Decode with the blocks' Linear weights in ``dtype`` (e.g. torch.bfloat16): a copy of each weight
-        that only the one-token path reads (half the bytes per token); activations, CEMA, every norm's
-        statistics and the logits stay float32. ``None`` drops the copies. Copies are not refreshed when
-        the weights change: call again after training."""
-        for module in self.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.decode_weight = None if dtype is None else module.weight.detach().to(dtype)
+    def to_decode_dtype(self, dtype: torch.dtype | None, gemv: str = "matmul") -> MegalodonLM:
+        """Weights of the one-token path: ``dtype`` float32 (or ``None``), torch.bfloat16, or torch.int8
+        (weight-only, per-row scales); ``gemv`` "matmul" or "mkldnn" (oneDNN with reordered weights, CPU).
+        The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
+        rebuilt whenever a parameter changes. Activations, CEMA, every norm's statistics and the logits
+        stay float32."""
+        dtype = torch.float32 if dtype is None else dtype
+        decode.check_decode_options(dtype, gemv, self.output.final_norm.weight.device)
+        self._decode_options = (dtype, gemv)
+        self._decode_plan = None
         return self
+
+    @torch.no_grad()
+    def decode_plan(self) -> decode.DecodePlan:
+        """The packed decode weights, rebuilt if any parameter changed since they were packed (training,
+        ``load_state_dict``, ``to``; see ``decode.DecodePlan.is_current``)."""
+        plan = self._decode_plan
+        if plan is None or not plan.is_current(self, *self._decode_options):
+            plan = self._decode_plan = decode.DecodePlan(self, *self._decode_options)
+        return plan
 
     def _window_statistics(self, cache: StreamingCache) -> None:
         """At a chunk boundary: record this chunk's statistics; once 8 chunks have been seen, every norm

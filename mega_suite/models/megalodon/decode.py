@@ -1,0 +1,259 @@
+"""The one-token decode step (issue 15): packed weights, folded constants, few ops.
+
+A decode step reads every weight once per token; its floor is one GEMV over all of them. ``DecodePlan``
+packs each block's Linear weights by the input they read, so a block runs five GEMVs instead of eight:
+
+    m  -> [W_z | W_r | W_h1]      (the RMS-normalised CEMA output)
+    x̂  -> W_v                     (the TimestepNorm output)
+    o ⊙ r -> W_h2                 (added onto the m-pack's W_h1 part)
+    u  -> [fc1 | fc3]             (the LayerNorm output)
+    a  -> fc2                     (layer scale folded in, the block's residual X added by the GEMV)
+
+and folds the norms' affine maps into the weights they feed, W (n ⊙ (1 + w) + b) = (W diag(1 + w)) n + W b,
+so RMSNorm and LayerNorm become one unaffine op each. The (1 + γ)/sqrt(Z/h) Q/K scale, β, the RoPE table
+and the CEMA coefficients (p, q, γ) are computed once per plan. The plan is rebuilt when any parameter
+changes (its key holds every parameter's storage pointer and version counter), so no step ever reads
+weights older than the model's.
+
+Weights: float32, bfloat16 (activations cast to bf16 at each GEMV, accumulated and returned in float32) or
+int8 weight-only (per-output-row scales, ``aten._weight_int8pack_mm`` with bf16 activations). Kernels for
+float32 / bfloat16: ``matmul`` (x @ Wᵀ with Wᵀ stored contiguous, read row by row) or ``mkldnn`` (oneDNN's
+linear with the weight reordered once, ``mkldnn._linear_pointwise``; CPU only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+GEMV_KINDS = ("matmul", "mkldnn")
+
+
+def mkldnn_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
+
+
+class Gemv:
+    """y = x Wᵀ + b (+ add) for x [B, I] float32 -> [B, O] float32, with W stored for one kernel.
+
+    ``weight`` [O, I] and ``bias`` [O] (or None) are float32 (already folded); the stored copy is the only
+    one read at decode time.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, kind: str):
+        self.bias, self.dtype, self.kind = bias, dtype, kind
+        self.out_features = weight.shape[0]
+        if dtype == torch.int8:
+            scale = weight.abs().amax(1).clamp(min=1e-12) / 127  # symmetric, one scale per output row
+            self.w = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(torch.bfloat16)
+            self.kind = "int8pack"
+        elif kind == "mkldnn":
+            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), 1)
+            self.mk_bias = None if bias is None or dtype != torch.float32 else bias
+        else:
+            self.w = weight.t().to(dtype).contiguous()  # [I, O]: one row of W^T per input feature
+
+    def __call__(self, x: Tensor, add: Tensor | None = None) -> Tensor:
+        """x [B, I] float32 -> [B, O] float32; ``add`` [B, O] is added (a residual folded into the GEMV)."""
+        bias = self.bias
+        if self.dtype == torch.float32:
+            if self.kind == "mkldnn":
+                y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.mk_bias, "none", [], "")
+                return y if add is None else y.add_(add)
+            if add is not None:
+                bias = add if bias is None else add + bias
+            return x @ self.w if bias is None else torch.addmm(bias, x, self.w)
+        xl = x.to(torch.bfloat16)
+        if self.kind == "int8pack":
+            y = torch.ops.aten._weight_int8pack_mm(xl, self.w, self.scale)
+        elif self.kind == "mkldnn":
+            y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
+        else:
+            y = xl @ self.w
+        y = y.float()
+        if bias is not None:
+            y = y.add_(bias)
+        return y if add is None else y.add_(add)
+
+
+class BlockPack:
+    """One block's decode constants and packed weights (see the module docstring)."""
+
+    def __init__(self, block: nn.Module, dtype: torch.dtype, kind: str):
+        att, ffn = block.mega, block.nffn
+        cfg = att.cfg
+        d, z, e, h = cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads
+        zd = z // h
+        self.d, self.z, self.e, self.h, self.zd = d, z, e, h, zd
+        self.groups, self.eps, self.chunk = att.timenorm.num_groups, cfg.norm_eps, cfg.chunk_size
+        self.ln_eps = ffn.norm.eps
+        self.tn_w1 = 1 + att.timenorm.weight.float()
+        self.tn_b = att.timenorm.bias.float()
+        p, q, gamma = att.cema.coefficients()
+        self.p, self.q = p, q  # [D, N]: p real, q complex
+        self.gamma_c = gamma.conj().resolve_conj()  # vecdot(a, h) = Σ conj(a) h, so this gives Σ γ h
+        self.omega = att.cema.omega.squeeze(-1).float()
+        rms = 1 + att.rmsnorm.weight.float()  # folded into the three GEMVs that read m
+        self.rms_eps_t = torch.tensor(att.rmsnorm.eps, device=rms.device)
+        self.eps_t = torch.tensor(cfg.norm_eps, device=rms.device)
+        w_m = torch.cat([att.wz.weight, att.wr.weight, att.wh1.weight]).float() * rms
+        b_m = torch.cat([att.wz.bias, att.wr.bias, att.wh1.bias]).float()
+        self.gemv_m = Gemv(w_m, b_m, dtype, kind)
+        self.gemv_v = Gemv(att.wv.weight.float(), att.wv.bias.float(), dtype, kind)
+        self.gemv_h2 = Gemv(att.wh2.weight.float(), None, dtype, kind)
+        self.qk_scale = ((1 + att.gamma.float()) / math.sqrt(zd)).view(2, 1, h, zd)
+        self.qk_beta = att.beta.float().view(2, 1, h, zd)
+        self.rope = _rope_table(zd, cfg.rope_base, cfg.chunk_size, att.gamma.device)
+        ln_w1, ln_b = 1 + ffn.norm.weight.float(), ffn.norm.bias.float()
+        w13 = ffn.fc1.weight if ffn.fc3 is None else torch.cat([ffn.fc1.weight, ffn.fc3.weight])
+        w13 = w13.float()
+        self.swiglu = ffn.fc3 is not None
+        self.ffn_dim = ffn.fc1.out_features
+        self.gemv_13 = Gemv(w13 * ln_w1, w13 @ ln_b, dtype, kind)
+        w2 = ffn.fc2.weight.float()
+        if ffn.alpha is not None:
+            w2 = w2 * ffn.alpha.float()[:, None]
+        self.gemv_2 = Gemv(w2, None, dtype, kind)
+
+
+class DecodePlan:
+    """Packed weights for every block and the head, and the key of the parameters they were built from."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str):
+        self.options = (dtype, kind)
+        self.params = list(model.parameters())
+        self.key = self.current_key()
+        self.params_checked = True
+        self.blocks = [BlockPack(layer, dtype, kind) for layer in model.layers]
+        head = model.output.output
+        self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
+        fn = model.output.final_norm
+        self.final_w1, self.final_b = 1 + fn.weight.float(), fn.bias.float()
+        self.final_groups, self.final_eps = fn.num_groups, fn.eps
+        self._one_buffer()
+
+    def _one_buffer(self) -> None:
+        """Move the packed weights into one buffer per dtype, in the order a step reads them (the next
+        GEMV's weights start where the last one's ended): 2-4% less time per token than separate
+        allocations (fp32, 1 thread, bench/RESULTS.md §9)."""
+        order = [g for b in self.blocks for g in (b.gemv_m, b.gemv_v, b.gemv_h2, b.gemv_13, b.gemv_2)]
+        gemvs = [g for g in order + [self.head] if g.kind in ("matmul", "int8pack")]
+        by_dtype = {}
+        for g in gemvs:
+            by_dtype.setdefault(g.w.dtype, []).append(g)
+        for dtype, group in by_dtype.items():
+            flat = torch.empty(sum(g.w.numel() for g in group), dtype=dtype, device=group[0].w.device)
+            start = 0
+            for g in group:
+                n = g.w.numel()
+                flat[start : start + n].copy_(g.w.reshape(-1))
+                g.w = flat[start : start + n].view(g.w.shape)
+                start += n
+
+    def current_key(self) -> tuple:
+        """Storage pointer and version counter of every parameter packed: an in-place update (optimizer
+        step, ``load_state_dict``) bumps the version, a conversion (``to``) moves the storage."""
+        return tuple((p.data_ptr(), p._version) for p in self.params)
+
+    def is_current(self, model: nn.Module, dtype: torch.dtype, kind: str) -> bool:
+        """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
+        replaced by a new one) is compared only when ``params_checked`` was cleared: at every call that
+        is not a single-token step (listing them costs more than the version check)."""
+        if self.options != (dtype, kind):
+            return False
+        if not self.params_checked:
+            current = list(model.parameters())
+            if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params)):
+                return False
+            self.params_checked = True
+        return self.key == self.current_key()
+
+
+def check_decode_options(dtype: torch.dtype, kind: str, device: torch.device) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"decode weight dtype must be one of {list(WEIGHT_DTYPES.values())}, got {dtype}")
+    if kind not in GEMV_KINDS:
+        raise ValueError(f"decode gemv must be one of {GEMV_KINDS}, got {kind!r}")
+    if kind == "mkldnn" and not mkldnn_available(device):
+        raise ValueError(f"decode gemv 'mkldnn' needs a CPU build with oneDNN; the model is on {device}")
+
+
+def timestep_norm_step(
+    x: Tensor, state: tuple[Tensor, Tensor, Tensor], w1: Tensor, b: Tensor, groups: int, eps: float
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """One TimestepNorm step (SPEC §3), statistics in float64: with n = n₀ + 1, δ = μ_t − M,
+    M' = M + δ/n and V' = (n₀/n) V + σ²_t/n + (n₀/n²) δ² = V + (σ²_t − V)/n + (δ/n)(δ − δ/n);
+    y = (x − M') / sqrt(V' + eps) · (1 + w) + b. x [B, D]."""
+    count0, mean0, var0 = state
+    bsz, d = x.shape
+    xd = x.view(bsz, groups, d // groups).double()
+    var_t, mu_t = torch.var_mean(xd, dim=-1, unbiased=False, keepdim=True)  # [B, G, 1]; serial (tiny)
+    count = count0 + 1
+    inv_n = count.double().reciprocal().view(bsz, 1, 1)
+    delta = mu_t - mean0.unsqueeze(-1)
+    step = delta * inv_n
+    mean = mean0.unsqueeze(-1) + step
+    var0 = var0.unsqueeze(-1)
+    var = torch.addcmul(torch.addcmul(var0, var_t - var0, inv_n), step, delta - step)
+    y = ((xd - mean) * torch.rsqrt(var + eps)).view(bsz, d).float()
+    return torch.addcmul(b, y, w1), (count, mean.view(bsz, groups).float(), var.view(bsz, groups).float())
+
+
+def rms_scale(x: Tensor, eps_t: Tensor, n: int) -> Tensor:
+    """1 / sqrt(mean(x²) + eps) over the last dim, as rsqrt(eps + ‖x‖²/n) (one reduction: a norm)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.rsqrt(torch.addcmul(eps_t, norm, norm, value=1.0 / n))
+
+
+def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
+    """One block, one token: x [B, D] float32 at absolute position ``pos`` -> (X + FFN(LN(H + X)), cache).
+    The equations of ``MegalodonBlock.forward`` with a cache (SPEC §1-§4, §7)."""
+    from mega_suite.models.megalodon.model import ChunkKV, LayerCache
+
+    bsz, h, zd, z, e = x.shape[0], pk.h, pk.zd, pk.z, pk.e
+    offset = pos % pk.chunk
+    x_hat, norm_state = timestep_norm_step(x, cache.norm, pk.tn_w1, pk.tn_b, pk.groups, pk.eps)
+    px = pk.p * x_hat.unsqueeze(-1)
+    state = px.to(pk.q.dtype) if cache.cema is None else torch.addcmul(px, pk.q, cache.cema)  # p x + q h
+    cema_out = torch.addcmul(torch.linalg.vecdot(pk.gamma_c, state).real, pk.omega, x_hat)
+    m = cema_out * rms_scale(cema_out, pk.rms_eps_t, pk.d)  # (1 + w) is in the m-pack's weights
+    zrh = pk.gemv_m(m)  # [B, Z + E + D]: z, r, and m W_h1 + b_h1
+    zh = zrh[:, :z].view(bsz, h, zd)
+    qk = torch.addcmul(pk.qk_beta, zh, rms_scale(zh, pk.eps_t, zd) * pk.qk_scale)  # [2, B, h, zd]
+    qk = torch.view_as_real(torch.view_as_complex(qk.view(2, bsz, h, zd // 2, 2)) * pk.rope[offset])
+    qk = qk.view(2, bsz, 1, h, zd)
+    v = F.silu(pk.gemv_v(x_hat)).view(bsz, 1, h, e // h)
+    r = F.silu(zrh[:, z : z + e])
+    q, k = qk[0], qk[1]
+    if cache.kv is None or offset == 0:
+        kv = ChunkKV.new(k, v, pk.chunk)
+    else:
+        kdt = cache.kv.k_buf.dtype  # bf16 when the chunk's earlier tokens ran under autocast
+        if kdt != q.dtype:
+            q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
+        kv = cache.kv.append(k, v)
+    keys, values = kv.keys, kv.values  # [B, n, h, *]
+    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
+    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()  # [B, h, 1, E/h]
+    y = pk.gemv_h2((o.view(bsz, e) * r), add=zrh[:, z + e :]).add_(x)  # H + X
+    u = F.layer_norm(y, (pk.d,), None, None, pk.ln_eps)
+    g = pk.gemv_13(u)
+    a = F.silu(g[:, : pk.ffn_dim]) * g[:, pk.ffn_dim :] if pk.swiglu else F.silu(g)
+    out = pk.gemv_2(a, add=x)
+    full = offset + 1 == pk.chunk
+    return out, LayerCache(norm_state, state, None if full else kv, cache.window)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor:
+    """exp(i * t * base^(-2j/d)) for chunk offsets t < C, complex64 [C, d/2]: RoPE of one token at offset t
+    is the complex product of its interleaved pairs with row t (``common.rope``'s rotation)."""
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(chunk, dtype=torch.float64).unsqueeze(-1) * inv
+    return torch.polar(torch.ones_like(angle), angle).to(device, torch.complex64)
