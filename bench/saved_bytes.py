@@ -34,13 +34,15 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
         if fn is None or fn in visited:
             continue
         visited.add(fn)
-        for name in dir(fn):
-            if not name.startswith("_saved_"):
-                continue
+        names = [n for n in dir(fn) if n.startswith("_saved_")]
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):  # a custom autograd.Function
+            names.append("saved_tensors")
+        for name in names:
             try:
                 value = getattr(fn, name)
             except Exception:  # noqa: BLE001 - some saved attributes are not readable (freed, symbolic)
                 continue
+            name = name if name.startswith("_saved_") else "_saved_" + name
             for t in value if isinstance(value, (tuple, list)) else [value]:
                 if isinstance(t, torch.Tensor) and t.numel() > 0:
                     storage = t.untyped_storage()
