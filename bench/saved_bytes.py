@@ -39,11 +39,18 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
             names.append("saved_tensors")
         for name in names:
             try:
-                value = getattr(fn, name)
+                value, again = getattr(fn, name), getattr(fn, name)
             except Exception:  # noqa: BLE001 - some saved attributes are not readable (freed, symbolic)
                 continue
             name = name if name.startswith("_saved_") else "_saved_" + name
-            for t in value if isinstance(value, (tuple, list)) else [value]:
+            values = value if isinstance(value, (tuple, list)) else [value]
+            agains = again if isinstance(again, (tuple, list)) else [again]
+            for t, t2 in zip(values, agains):
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.untyped_storage().data_ptr() != t2.untyped_storage().data_ptr()
+                ):
+                    continue  # rebuilt on every read (a saved-tensor hook recomputes it): nothing is stored
                 if isinstance(t, torch.Tensor) and t.numel() > 0:
                     storage = t.untyped_storage()
                     if storage.data_ptr() in seen:

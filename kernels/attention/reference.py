@@ -108,7 +108,8 @@ def _masked_attention(
     # zero it, as the fused kernel does.
     no_key = ~keep.any(-1, keepdim=True)
     o = _sdpa(q, k, v, keep | no_key, flash)
-    return o.masked_fill(no_key, 0.0)
+    # Only when some row has no key: a masked copy would be stored for backward beside SDPA's own output.
+    return o.masked_fill(no_key, 0.0) if bool(no_key.any()) else o
 
 
 def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, blocks: int = 4) -> Tensor:
