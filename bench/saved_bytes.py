@@ -21,6 +21,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.common import markdown_table
+from mega_suite.models.megalodon.lean import is_rebuilt
 
 
 def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
@@ -46,11 +47,10 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
             values = value if isinstance(value, (tuple, list)) else [value]
             agains = again if isinstance(again, (tuple, list)) else [again]
             for t, t2 in zip(values, agains):
-                if (
-                    isinstance(t, torch.Tensor)
-                    and t.untyped_storage().data_ptr() != t2.untyped_storage().data_ptr()
+                if isinstance(t, torch.Tensor) and (
+                    t.untyped_storage().data_ptr() != t2.untyped_storage().data_ptr() or is_rebuilt(t)
                 ):
-                    continue  # rebuilt on every read (a saved-tensor hook recomputes it): nothing is stored
+                    continue  # rebuilt when read (a saved-tensor hook recomputes it): nothing is stored
                 if isinstance(t, torch.Tensor) and t.numel() > 0:
                     storage = t.untyped_storage()
                     if storage.data_ptr() in seen:

@@ -16,6 +16,7 @@ What a block stores, per node, is printed by ``python -m bench.saved_bytes``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -87,6 +88,16 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return _Dropout.apply(x, p)
 
 
+_REBUILT: weakref.WeakValueDictionary = (
+    weakref.WeakValueDictionary()
+)  # storage address -> tensor, while alive
+
+
+def is_rebuilt(t: Tensor) -> bool:
+    """Whether ``t`` (a saved tensor read back) was rebuilt by ``recompute_saved`` rather than stored."""
+    return t.untyped_storage().data_ptr() in _REBUILT
+
+
 class _Recipe:
     __slots__ = ("shape", "stride", "offset")
 
@@ -97,8 +108,10 @@ class _Recipe:
 @contextlib.contextmanager
 def recompute_saved(t: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
     """Tensors saved for backward inside the context that are views of ``t`` are stored as (shape, strides,
-    offset) and rebuilt as the same view of ``fn()`` (which must return t's values in t's layout)."""
+    offset) and rebuilt as the same view of ``fn()`` (which must return t's values in t's layout), called once
+    when backward first reads one of them."""
     ptr, dtype = t.untyped_storage().data_ptr(), t.dtype
+    rebuilt = []  # fn() once for all views (freed with the last recipe that refers to this closure)
 
     def pack(s: Tensor):
         return _Recipe(s) if s.dtype == dtype and s.untyped_storage().data_ptr() == ptr else s
@@ -106,8 +119,11 @@ def recompute_saved(t: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
     def unpack(s):
         if not isinstance(s, _Recipe):
             return s
-        with torch.no_grad():
-            return fn().as_strided(s.shape, s.stride, s.offset)
+        if not rebuilt:
+            with torch.no_grad():
+                rebuilt.append(fn())
+        _REBUILT[rebuilt[0].untyped_storage().data_ptr()] = rebuilt[0]
+        return rebuilt[0].as_strided(s.shape, s.stride, s.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
