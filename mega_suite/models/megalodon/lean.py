@@ -4,8 +4,9 @@
   product that the Linear would keep; both are recomputed in backward (two elementwise ops).
 - ``dropout(x, p, training)``: on CPU ``F.dropout`` keeps its float noise tensor ([B, L, D] of 0 and
   1/(1-p)); this draws the same noise from the same generator and keeps it as bool (1 byte per element).
-- ``recompute_saved(t, fn)``: inside the context, autograd stores views of ``t`` as a recipe and
-  rebuilds them from ``fn()`` when backward reads them (V = SiLU(W_v X̂) for attention: W_v X̂ is kept anyway).
+- ``recompute_saved(((t, ...), fn), ...)``: inside the context, autograd stores views of the tensors t as a
+  recipe and rebuilds them from ``fn()`` when backward reads them (attention's V = SiLU(W_v X̂) and RoPE(Q),
+  RoPE(K) from Z: W_v X̂ and Z are kept anyway).
 - ``recompute(fn, *xs)``: an elementwise / normalisation piece whose intermediates are recomputed from its
   inputs in backward (a checkpoint of a few cheap ops, not of a block: matmuls, attention and FFTs are never
   recomputed). ``fn`` must be deterministic (no dropout) and contain no autocast-listed op.
@@ -99,31 +100,38 @@ def is_rebuilt(t: Tensor) -> bool:
 
 
 class _Recipe:
-    __slots__ = ("shape", "stride", "offset")
+    __slots__ = ("group", "index", "shape", "stride", "offset")
 
-    def __init__(self, t: Tensor):
+    def __init__(self, group: int, index: int, t: Tensor):
+        self.group, self.index = group, index
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
 
 
 @contextlib.contextmanager
-def recompute_saved(t: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
-    """Tensors saved for backward inside the context that are views of ``t`` are stored as (shape, strides,
-    offset) and rebuilt as the same view of ``fn()`` (which must return t's values in t's layout), called once
-    when backward first reads one of them."""
-    ptr, dtype = t.untyped_storage().data_ptr(), t.dtype
-    rebuilt = []  # fn() once for all views (freed with the last recipe that refers to this closure)
+def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor, ...]]]) -> Iterator[None]:
+    """Each group is (tensors, fn) with fn() returning those tensors' values again, in their layouts. Tensors
+    saved for backward inside the context that are views of one of them are stored as (shape, strides,
+    offset) and rebuilt as the same view of fn()'s result; fn runs once, when backward first reads one."""
+    where = {
+        (t.untyped_storage().data_ptr(), t.dtype): (g, i)
+        for g, (ts, _) in enumerate(groups)
+        for i, t in enumerate(ts)
+    }
+    rebuilt: dict[int, tuple[Tensor, ...]] = {}  # freed with the last recipe that refers to this closure
 
     def pack(s: Tensor):
-        return _Recipe(s) if s.dtype == dtype and s.untyped_storage().data_ptr() == ptr else s
+        key = where.get((s.untyped_storage().data_ptr(), s.dtype))
+        return s if key is None else _Recipe(*key, s)
 
     def unpack(s):
         if not isinstance(s, _Recipe):
             return s
-        if not rebuilt:
+        if s.group not in rebuilt:
             with torch.no_grad():
-                rebuilt.append(fn())
-        _REBUILT[rebuilt[0].untyped_storage().data_ptr()] = rebuilt[0]
-        return rebuilt[0].as_strided(s.shape, s.stride, s.offset)
+                rebuilt[s.group] = tuple(groups[s.group][1]())
+            for t in rebuilt[s.group]:
+                _REBUILT[t.untyped_storage().data_ptr()] = t
+        return rebuilt[s.group][s.index].as_strided(s.shape, s.stride, s.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

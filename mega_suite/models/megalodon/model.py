@@ -344,7 +344,10 @@ class MegalodonAttention(nn.Module):
         if cache is None or offset == 0:
             positions = torch.arange(length, device=x.device) % c
             q, k = self._rope(z, v, positions)
-            with recompute_saved(v, lambda: F.silu(v_pre).view(v.shape)):
+            # Attention keeps no Q, K, V of its own: they are rebuilt from Z and W_v X̂ when backward needs them.
+            rebuild_v = lambda: (F.silu(v_pre).view(v.shape),)  # noqa: E731
+            rebuild_qk = lambda: self._qk(z, self.gamma, self.beta, positions, v.dtype)  # noqa: E731
+            with recompute_saved(((v,), rebuild_v), ((q, k), rebuild_qk)):
                 o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
                 tail = length % c  # keys of the unfinished last chunk stay cached (copied: bounded memory)
