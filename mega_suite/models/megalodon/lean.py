@@ -5,8 +5,8 @@
 - ``dropout(x, p, training)``: on CPU ``F.dropout`` keeps its float noise tensor ([B, L, D] of 0 and
   1/(1-p)); this draws the same noise from the same generator and keeps it as bool (1 byte per element).
 - ``recompute_saved(((t, ...), fn), ...)``: inside the context, autograd stores views of the tensors t as a
-  recipe and rebuilds them from ``fn()`` when backward reads them (attention's V = SiLU(W_v X̂) and RoPE(Q),
-  RoPE(K) from Z: W_v X̂ and Z are kept anyway).
+  recipe and rebuilds them from ``fn()`` when backward reads them (attention's V = SiLU(W_v X̂): W_v X̂ is
+  kept anyway).
 - ``recompute(fn, *xs)``: an elementwise / normalisation piece whose intermediates are recomputed from its
   inputs in backward (a checkpoint of a few cheap ops, not of a block: matmuls, attention and FFTs are never
   recomputed). ``fn`` must be deterministic (no dropout) and contain no autocast-listed op.

@@ -344,10 +344,11 @@ class MegalodonAttention(nn.Module):
         if cache is None or offset == 0:
             positions = torch.arange(length, device=x.device) % c
             q, k = self._rope(z, v, positions)
-            # Attention keeps no Q, K, V of its own: they are rebuilt from Z and W_v X̂ when backward needs them.
+            # Attention keeps no V of its own: V = SiLU(W_v X̂) is rebuilt when backward needs it (W_v X̂ is
+            # kept for SiLU's backward anyway). Q, K are kept: rebuilding them measured slower (their
+            # recompute for the Z gradient runs later, so it cannot be shared) and did not lower the peak.
             rebuild_v = lambda: (F.silu(v_pre).view(v.shape),)  # noqa: E731
-            rebuild_qk = lambda: self._qk(z, self.gamma, self.beta, positions, v.dtype)  # noqa: E731
-            with recompute_saved(((v,), rebuild_v), ((q, k), rebuild_qk)):
+            with recompute_saved(((v,), rebuild_v)):
                 o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
                 tail = length % c  # keys of the unfinished last chunk stay cached (copied: bounded memory)
