@@ -165,8 +165,12 @@ def _causal_blocks(q: Tensor, k: Tensor, lse: Tensor | None, blocks: int):
         s = torch.matmul(q[:, :, start:end], k[:, :, :end].transpose(-1, -2))
         qi = torch.arange(start, end, device=q.device).view(-1, 1)
         s.masked_fill_(torch.arange(end, device=q.device).view(1, -1) > qi, float("-inf"))
-        row_lse = torch.logsumexp(s, -1, keepdim=True) if lse is None else lse[:, :, start:end]
-        yield start, end, (s.sub_(row_lse).exp_(), row_lse)
+        if lse is not None:  # backward: P = exp(S - lse), one pass
+            yield start, end, (s.sub_(lse[:, :, start:end]).exp_(), None)
+            continue
+        row_max = s.amax(-1, keepdim=True)  # forward: softmax's passes (max, exp, sum, divide) and lse
+        total = s.sub_(row_max).exp_().sum(-1, keepdim=True)
+        yield start, end, (s.div_(total), row_max.add_(total.log_()))
 
 
 def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
