@@ -754,9 +754,7 @@ class MegalodonLM(Backbone):
 
         ref = self.output.final_norm.weight
         sharded = isinstance(self.layers[0], FSDPModule)  # block.step bypasses FSDP2's gather hooks
-        return (
-            not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive and not sharded
-        )
+        return not torch.is_grad_enabled() and ref.dtype == torch.float32 and not self.adaptive and not sharded
 
     def _step_token(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
         """tokens [B] at position ``cache.position`` -> (final hidden states [B, 1, D], cache)."""
