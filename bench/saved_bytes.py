@@ -2,25 +2,43 @@
 
     python -m bench.saved_bytes                          # megalodon_cpu_bench block, L = 2048
     python -m bench.saved_bytes --preset megalodon_debug --length 256 --top 40
+    python -m bench.saved_bytes --preset lra_listops --length 2000 --batch 4 --baseline /tmp/mem_base
 
+``--baseline PATH`` measures the same block with the code of another checkout (a ``git worktree`` of an older
+commit) in a subprocess and prints its table beside this one's: before / after.
 Runs one block forward on [1, L, D] with autograd and walks the graph from the output: every
 ``_saved_*`` tensor of every node, counted once per storage (views and tensors saved twice share it), the
-block's input and parameters excluded. Bytes are storage bytes / L: what training keeps per token per layer until backward.
+block's input and parameters excluded; a saved tensor that a saved-tensor hook rebuilds when backward reads it
+(``lean.recompute_saved``) is not stored and not counted. Bytes are storage bytes / (B L): what training keeps
+per token per layer until backward. Tensors without a batch dimension (the CEMA kernel, its power tables) are
+divided by B too, so ``--batch`` shows which part grows with the batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("SAVED_BYTES_ROOT"):  # --baseline's subprocess: that checkout's code
+    sys.path.insert(0, os.environ["SAVED_BYTES_ROOT"])
 
 import torch
 
 from bench.common import markdown_table
+
+try:
+    from mega_suite.models.megalodon.lean import is_rebuilt
+except ImportError:  # a checkout from before lean.py: nothing is rebuilt
+
+    def is_rebuilt(t: torch.Tensor) -> bool:
+        return False
 
 
 def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
@@ -34,14 +52,22 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
         if fn is None or fn in visited:
             continue
         visited.add(fn)
-        for name in dir(fn):
-            if not name.startswith("_saved_"):
-                continue
+        names = [n for n in dir(fn) if n.startswith("_saved_")]
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):  # a custom autograd.Function
+            names.append("saved_tensors")
+        for name in names:
             try:
-                value = getattr(fn, name)
+                value, again = getattr(fn, name), getattr(fn, name)
             except Exception:  # noqa: BLE001 - some saved attributes are not readable (freed, symbolic)
                 continue
-            for t in value if isinstance(value, (tuple, list)) else [value]:
+            name = name if name.startswith("_saved_") else "_saved_" + name
+            values = value if isinstance(value, (tuple, list)) else [value]
+            agains = again if isinstance(again, (tuple, list)) else [again]
+            for t, t2 in zip(values, agains):
+                if isinstance(t, torch.Tensor) and (
+                    t.untyped_storage().data_ptr() != t2.untyped_storage().data_ptr() or is_rebuilt(t)
+                ):
+                    continue  # rebuilt when read (a saved-tensor hook recomputes it): nothing is stored
                 if isinstance(t, torch.Tensor) and t.numel() > 0:
                     storage = t.untyped_storage()
                     if storage.data_ptr() in seen:
@@ -54,27 +80,62 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
     return by
 
 
+def measure(preset: str, length: int, batch: int) -> list[list]:
+    """[[node, attribute, shape, dtype, bytes], ...] of one block of ``preset`` on [batch, length, D]."""
+    from mega_suite import create_model
+
+    torch.manual_seed(0)
+    model = create_model(preset).train()
+    x = torch.randn(batch, length, model.cfg.model_dim, requires_grad=True)
+    by = saved_bytes(model.layers[0], x)
+    return [[node, attr, list(shape), dtype, b] for (node, attr, shape, dtype), b in by.most_common()]
+
+
+def table(rows: list[list], tokens: int, top: int, title: str) -> str:
+    total = sum(r[-1] for r in rows)
+    head = (f"# {title}: one block saves {total / 2**20:.1f} MiB = "
+            f"{total / tokens / 1024:.1f} KiB per token per layer\n\n")  # fmt: skip
+    body = [
+        [node, attr, str(shape), dtype.replace("torch.", ""), f"{b / tokens:.0f}", f"{100 * b / total:.1f}%"]
+        for node, attr, shape, dtype, b in rows[:top]
+    ]
+    return head + markdown_table(["node", "saved", "shape", "dtype", "bytes / token", "share"], body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="megalodon_cpu_bench")
     ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--baseline", type=Path, help="another checkout: its table beside this one (before / after)"
+    )
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from mega_suite import create_model
-
-    torch.manual_seed(0)
-    model = create_model(args.preset).train()
-    x = torch.randn(1, args.length, model.cfg.model_dim, requires_grad=True)
-    by = saved_bytes(model.layers[0], x)
-    total = sum(by.values())
-    L = args.length
-    print(f"# bench/saved_bytes.py ({args.preset}, L = {L}): one block saves {total / 2**20:.1f} MiB = "
-          f"{total / L / 1024:.1f} KiB per token per layer\n")  # fmt: skip
-    rows = [
-        [node, attr, str(list(shape)), dtype.replace("torch.", ""), f"{b / L:.0f}", f"{100 * b / total:.1f}%"]
-        for (node, attr, shape, dtype), b in by.most_common(args.top)
-    ]
-    print(markdown_table(["node", "saved", "shape", "dtype", "bytes / token", "share"], rows))
+    rows = measure(args.preset, args.length, args.batch)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    tokens = args.length * args.batch
+    what = f"{args.preset}, B = {args.batch}, L = {args.length}"
+    if args.baseline is not None:
+        if not (args.baseline / "mega_suite").is_dir():
+            raise SystemExit(
+                f"--baseline {args.baseline} is not a mega-suite checkout (no mega_suite/ in it)"
+            )
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--preset", args.preset]
+        cmd += ["--length", str(args.length), "--batch", str(args.batch)]
+        env = dict(os.environ, SAVED_BYTES_ROOT=str(args.baseline.resolve()))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"the baseline run failed:\n{proc.stderr[-3000:]}")
+        old = json.loads(proc.stdout.strip().splitlines()[-1])
+        before, after = sum(r[-1] for r in old) / tokens, sum(r[-1] for r in rows) / tokens
+        print(f"# before {before / 1024:.1f} KiB, after {after / 1024:.1f} KiB per token per layer "
+              f"({after / before:.2f}x) -- {what}\n")  # fmt: skip
+        print(table(old, tokens, args.top, f"before ({args.baseline})") + "\n")
+    print(table(rows, tokens, args.top, f"bench/saved_bytes.py ({what})"))
 
 
 if __name__ == "__main__":

@@ -126,3 +126,67 @@ def test_dropout():
     assert not torch.equal(d1, d3), "different seeds, same dropout"
     # Rows with no valid key stay zero under dropout too.
     assert (d1[0, C : 2 * C] == 0).all()
+
+
+@pytest.mark.parametrize("dk,dv", [(3, 5), (5, 3), (4, 4)])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flash_function_gradcheck(dk, dv, masked, causal):
+    """The CPU flash Function (unpadded Q/K/V kept, re-padded in backward) against finite differences and
+    against the per-row oracle's gradients, float64."""
+    from kernels.attention.reference import _FlashAttention
+
+    g = torch.Generator().manual_seed(dk * 10 + dv)
+    q, k = (torch.randn(2, 1, 5, dk, generator=g, dtype=torch.float64, requires_grad=True) for _ in "qk")
+    v = torch.randn(2, 1, 5, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, 1, 1, 5, dtype=torch.float64)
+        mask[1, ..., 3:] = float("-inf")
+    torch.autograd.gradcheck(lambda a, b, c: _FlashAttention.apply(a, b, c, mask, causal), (q, k, v))
+    pad = None if mask is None else (mask[:, 0, 0] != 0)
+    to_blhd = lambda t: t.transpose(1, 2)  # noqa: E731
+    out = _FlashAttention.apply(q, k, v, mask, causal)
+    ref = oracles.chunk_attention(to_blhd(q), to_blhd(k), to_blhd(v), 5, causal, pad).transpose(1, 2)
+    torch.testing.assert_close(out, ref, **F64)
+    cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * cot).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * cot).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **F64)
+
+
+def test_flash_function_keeps_unpadded_tensors():
+    """Q/K (width 4) and V (width 6) are stored at their own widths: no [.., 6]-wide copy of Q or K."""
+    from kernels.attention.reference import _FlashAttention
+
+    q, k = (torch.randn(1, 1, 8, 4, requires_grad=True) for _ in "qk")
+    v = torch.randn(1, 1, 8, 6, requires_grad=True)
+    out = _FlashAttention.apply(q, k, v, None, True)
+    widths = sorted(t.shape[-1] for t in out.grad_fn.saved_tensors[:4])
+    assert widths == [4, 4, 6, 6], widths
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_blocked_causal_function(dtype):
+    """The blocked causal Function (unequal widths; probabilities recomputed in backward, not stored) against
+    the per-row oracle's output and gradients in float64, finite differences, and in bf16 to bf16 rounding."""
+    from kernels.attention.reference import _BlockedCausal
+
+    g = torch.Generator().manual_seed(21)
+    q, k = (torch.randn(2, 2, 9, 3, generator=g, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(2, 2, 9, 5, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    if dtype == torch.float64:
+        torch.autograd.gradcheck(lambda a, b, c: _BlockedCausal.apply(a, b, c, 4), (q, k, v))
+    out = _BlockedCausal.apply(q, k, v, 4)
+    assert out.dtype == dtype and [t.shape[-1] for t in out.grad_fn.saved_tensors[:4]] == [3, 3, 5, 5]
+    ref = oracles.chunk_attention(*(t.transpose(1, 2) for t in (q, k, v)), 9, True).transpose(1, 2)
+    tol = F64 if dtype == torch.float64 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * cot).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * cot).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b.double(), **tol)

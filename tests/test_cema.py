@@ -353,3 +353,28 @@ def test_float32_bidirectional_long_sequence_precision(memory):
     assert y.dtype == torch.float32 and torch.isfinite(y).all()
     err = oracles.max_rel_err(y, ref)
     assert err <= 1e-5, f"bidirectional y relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidir"])
+def test_fft_convolution_function(bidirectional):
+    """The FFT convolution Function (x and the kernel kept, spectra recomputed in backward) against the
+    direct sums y_t = sum_{s<=t} k_{t-s} x_s (+ sum_{s>=t} kb_{s-t} x_s) and finite differences, float64."""
+    from kernels.cema.reference import _FFTConv
+
+    B, D, L = 2, 3, 7
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, D, L, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2 * D if bidirectional else D, L, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: _FFTConv.apply(a, b, bidirectional), (x, k))
+    lag = torch.arange(L).view(L, 1) - torch.arange(L).view(1, L)  # t - s
+    toeplitz = k[:D][:, lag.clamp(min=0)] * (lag >= 0)  # [D, t, s]
+    if bidirectional:
+        toeplitz = toeplitz + k[D:][:, (-lag).clamp(min=0)] * (lag <= 0)
+    want = torch.einsum("dts,bds->bdt", toeplitz, x)
+    got = _FFTConv.apply(x, k, bidirectional)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    cot = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad((got * cot).sum(), (x, k)), torch.autograd.grad((want * cot).sum(), (x, k))
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -2,7 +2,7 @@
 
 The model runs in float64 with every dropout rate distinct (dropout 0.3, hidden_dropout 0.2, attention_dropout
 0.25, drop_path 0.4), so each recorded mask also names the rate it was drawn with. ``MaskRecorder`` wraps
-``torch.nn.functional.dropout``, ``mega_suite.models.megalodon.model.drop_path`` and ``mega_suite.models.megalodon.model.chunk_attention``: the
+``torch.nn.functional.dropout``, ``mega_suite.models.megalodon.model.dropout``, ``mega_suite.models.megalodon.model.drop_path`` and ``mega_suite.models.megalodon.model.chunk_attention``: the
 originals run (the model's real random draws), the keep-masks and the RNG state before each attention call are
 recorded, and the oracle -- which applies every dropout itself, in its SPEC place, with its own 1 / (1 − p)
 rescaling -- takes them in data-dependency order, asserting the rate and the shape of each. The DropKey mask is
@@ -53,8 +53,21 @@ class MaskRecorder:
         self.dropouts, self.paths, self.attention, self.places = [], [], [], []
         dropout, drop_path, attention = F.dropout, model_module.drop_path, model_module.chunk_attention
 
+        lean_dropout = model_module.dropout  # F.dropout's draws, a bool mask stored (lean.dropout)
+        inside_lean = []
+
         def recording_dropout(input, p=0.5, training=True, inplace=False):
             out = dropout(input, p, training, inplace)
+            if not inside_lean:
+                self.dropouts.append((p, training, (out != 0) | (input == 0)))
+            return out
+
+        def recording_lean_dropout(input, p, training):
+            inside_lean.append(True)
+            try:
+                out = lean_dropout(input, p, training)
+            finally:
+                inside_lean.pop()
             self.dropouts.append((p, training, (out != 0) | (input == 0)))
             return out
 
@@ -69,6 +82,7 @@ class MaskRecorder:
             return attention(q, k, v, chunk_size, causal, key_padding_mask, dropout_p)
 
         monkeypatch.setattr(F, "dropout", recording_dropout)
+        monkeypatch.setattr(model_module, "dropout", recording_lean_dropout)
         monkeypatch.setattr(model_module, "drop_path", recording_drop_path)
         monkeypatch.setattr(model_module, "chunk_attention", recording_attention)
 

@@ -25,8 +25,71 @@ def _fold(t: Tensor, nc: int, c: int) -> Tensor:
 _MASK_BUDGET = 1 << 22  # elements of one attention-mask block (4M: 4 MB as bool, 16 MB as SDPA's float)
 
 
+class _FlashAttention(torch.autograd.Function):
+    """CPU flash attention (scale 1) that stores Q, K, V at their own head widths.
+
+    SDPA's flash kernel needs one head width, so Q/K (or V) are zero-padded to max(dk, dv); autograd would
+    keep the padded copies for backward. Here the unpadded Q, K, V, the unpadded output and the row
+    log-sum-exp are kept, and backward re-pads them for ``aten._scaled_dot_product_flash_attention_for_cpu
+    _backward``: zero columns of Q/K add 0 to every score, zero columns of V give zero output columns, so
+    the padded forward and backward are exactly the unpadded attention (the same kernel as before).
+    q, k: [N, h, C, dk]; v: [N, h, C, dv]; mask: additive float [N, 1, 1 or C, C] or None.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        dk, dv = q.shape[-1], v.shape[-1]
+        width = max(dk, dv)
+        qp, kp, vp = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] != width else t for t in (q, k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qp, kp, vp, 0.0, causal, attn_mask=mask, scale=1.0
+        )
+        out = out[..., :dv].contiguous() if dv != width else out
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dk, dv = q.shape[-1], v.shape[-1]
+        width = max(dk, dv)
+
+        def pad(t: Tensor) -> Tensor:
+            return F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] != width else t
+
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            pad(grad.contiguous()), pad(q), pad(k), pad(v), pad(out), lse, 0.0, ctx.causal,
+            attn_mask=mask, scale=1.0,
+        )  # fmt: skip
+        return gq[..., :dk], gk[..., :dk], gv[..., :dv], None, None
+
+
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _use_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and k.dtype == v.dtype == q.dtype
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, flash: bool) -> Tensor:
+    """SDPA with scale 1 (bool ``mask``: True = keep); ``flash``: the CPU flash kernel (``_FlashAttention``)."""
+    if flash:
+        if mask is not None:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return _FlashAttention.apply(q, k, v, mask, False)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
 def _masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, pad_keep: Tensor | None, causal: bool, dropout_p: float, row0: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pad_keep: Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    row0: int,
+    flash: bool = False,
 ) -> Tensor:
     """SDPA for query rows row0.. of every chunk with key padding, causality and DropKey as one bool mask.
 
@@ -44,30 +107,70 @@ def _masked_attention(
     # A row with no valid key (padding, or every key dropped) would give NaN: let it attend anywhere, then
     # zero it, as the fused kernel does.
     no_key = ~keep.any(-1, keepdim=True)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | no_key, scale=1.0)
-    return o.masked_fill(no_key, 0.0)
+    o = _sdpa(q, k, v, keep | no_key, flash)
+    # Only when some row has no key: a masked copy would be stored for backward beside SDPA's own output.
+    return o.masked_fill(no_key, 0.0) if bool(no_key.any()) else o
 
 
-def _blocked_causal(q: Tensor, k: Tensor, v: Tensor, blocks: int = 4) -> Tensor:
-    """Causal attention on SDPA's math path (unequal head widths) without the masked upper half.
+class _BlockedCausal(torch.autograd.Function):
+    """Causal attention for unequal head widths (SDPA's math path) without the masked upper half and without
+    storing the probabilities.
 
     Query block i attends only to keys up to its own end, so the scores computed are (blocks + 1) / (2 blocks)
-    of C x C (5/8 for 4 blocks) instead of all of them; measured -35% attention time at C = 2048.
+    of C x C (5/8 for 4 blocks) instead of all of them; measured -35% attention time at C = 2048. Forward
+    keeps Q, K, V, the output O and the row log-sum-exp; backward recomputes P = exp(Q Kᵀ - lse) block by
+    block (the cheap dk-wide product) and applies dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)),
+    dQ = dS K, dK = dSᵀ Q. bf16 / fp16 inputs are computed in float32, as SDPA's CPU math path does.
     q, k: [N, h, C, dk]; v: [N, h, C, dv].
     """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, blocks: int) -> Tensor:
+        qa, ka, va = _acc(q), _acc(k), _acc(v)
+        outs, lses = [], []
+        for _, end, (p, lse) in _causal_blocks(qa, ka, None, blocks):
+            lses.append(lse)
+            outs.append(torch.matmul(p, va[:, :, :end]))
+        out = torch.cat(outs, dim=2).to(v.dtype)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=2))
+        ctx.blocks = blocks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        qa, ka, va, g = _acc(q), _acc(k), _acc(v), _acc(grad)
+        delta = (g * _acc(out)).sum(-1, keepdim=True)  # rowsum(dO ⊙ O) = sum_j P_ij dP_ij
+        dq, dk, dv = torch.empty_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
+        for start, end, (p, _) in _causal_blocks(qa, ka, lse, ctx.blocks):
+            gb = g[:, :, start:end]
+            dv[:, :, :end] += torch.matmul(p.transpose(-1, -2), gb)
+            ds = p.mul_(torch.matmul(gb, va[:, :, :end].transpose(-1, -2)).sub_(delta[:, :, start:end]))
+            dq[:, :, start:end] = torch.matmul(ds, ka[:, :, :end])
+            dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), qa[:, :, start:end])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _acc(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _causal_blocks(q: Tensor, k: Tensor, lse: Tensor | None, blocks: int):
+    """Yield (start, end, (P, lse)) per query block: P = softmax of the causal scores of rows start..end over
+    keys < end, from ``lse`` when given (backward) or with its lse computed (forward)."""
     c = q.shape[2]
     rows = math.ceil(c / blocks)
-    out = []
     for start in range(0, c, rows):
         end = min(c, start + rows)
+        s = torch.matmul(q[:, :, start:end], k[:, :, :end].transpose(-1, -2))
         qi = torch.arange(start, end, device=q.device).view(-1, 1)
-        mask = torch.arange(end, device=q.device).view(1, -1) <= qi
-        out.append(
-            F.scaled_dot_product_attention(
-                q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask, scale=1.0
-            )
-        )
-    return torch.cat(out, dim=2)
+        s.masked_fill_(torch.arange(end, device=q.device).view(1, -1) > qi, float("-inf"))
+        if lse is not None:  # backward: P = exp(S - lse), one pass
+            yield start, end, (s.sub_(lse[:, :, start:end]).exp_(), None)
+            continue
+        row_max = s.amax(-1, keepdim=True)  # forward: softmax's passes (max, exp, sum, divide) and lse
+        total = s.sub_(row_max).exp_().sum(-1, keepdim=True)
+        yield start, end, (s.div_(total), row_max.add_(total.log_()))
 
 
 def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
@@ -128,26 +231,29 @@ def chunk_attention(
         key_padding_mask = F.pad(key_padding_mask, (0, pad), value=True)
     qf, kf, vf = _fold(q, nc, c), _fold(k, nc, c), _fold(v, nc, c)
     width = dv
-    if _flash_friendly(b * nc, c, h, dk, dv):
+    if _flash_friendly(b * nc, c, h, dk, dv) and not _use_flash(qf, kf, vf):
         width = max(dk, dv)
         qf, kf = F.pad(qf, (0, width - dk)), F.pad(kf, (0, width - dk))
         vf = F.pad(vf, (0, width - dv))
+    flash = _use_flash(qf, kf, vf) and (dk == dv or _flash_friendly(b * nc, c, h, dk, dv))
 
     pad_keep = None if key_padding_mask is None else ~key_padding_mask.reshape(b * nc, 1, 1, c)
     if pad_keep is None and dropout_p == 0.0:
-        if causal and qf.shape[-1] != vf.shape[-1] and c >= 256:
-            o = _blocked_causal(qf, kf, vf)
+        if flash:
+            o = _FlashAttention.apply(qf, kf, vf, None, causal)
+        elif causal and qf.shape[-1] != vf.shape[-1] and c >= 256:
+            o = _BlockedCausal.apply(qf, kf, vf, 4)
         else:
             o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, scale=1.0)
     elif dropout_p == 0.0 and not causal:  # key padding only: a broadcast [N, 1, 1, C] mask, no blocking
-        o = _masked_attention(qf, kf, vf, pad_keep, False, 0.0, 0)
+        o = _masked_attention(qf, kf, vf, pad_keep, False, 0.0, 0, flash)
     else:
         # Masks are [rows, C] per (chunk, head): process query rows in blocks small enough that the mask and
         # SDPA's float copy of it stay bounded, recomputing each block in backward (RNG state included).
         rows = max(1, min(c, _MASK_BUDGET // max(1, b * nc * h * c)))
         blocks = []
         for r0 in range(0, c, rows):
-            args = (qf[:, :, r0 : r0 + rows], kf, vf, pad_keep, causal, dropout_p, r0)
+            args = (qf[:, :, r0 : r0 + rows], kf, vf, pad_keep, causal, dropout_p, r0, flash)
             if torch.is_grad_enabled() and rows < c:
                 blocks.append(checkpoint(_masked_attention, *args, use_reentrant=False))
             else:

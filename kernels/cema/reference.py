@@ -13,10 +13,13 @@ Powers of q are always exp(l * log q). Long power tables (D, N, L) are never bui
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
+
+from kernels.recompute import recompute
 
 __all__ = ["cema_coefficients", "cema", "cema_kernel", "cema_step"]
 
@@ -126,18 +129,54 @@ def _fft_length(length: int) -> int:
     return 1 << max(0, (2 * length - 1) - 1).bit_length()
 
 
-def _cema_fft(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, bidirectional: bool) -> Tensor:
-    """x: [B, D, L] -> the convolution part of y, [B, D, L]."""
-    length = x.shape[-1]
-    n_fft = _fft_length(length)
-    k = cema_kernel(p, q, gamma, length)
-    d = x.shape[1]
+class _FFTConv(torch.autograd.Function):
+    """y = irfft(rfft(x) * S)[:L] with S = rfft(k_fwd) (+ conj(rfft(k_bwd)) bidirectionally), zero-padded
+    to n >= 2L - 1 so the circular convolution is the linear one.
+
+    Autograd would keep the padded input and both spectra ([B, D, n] real and [B, D, n/2+1] complex per
+    layer); this keeps x (a view of a tensor the caller keeps anyway) and the kernel k, and recomputes
+    rfft(x) and S in backward. With G = rfft(g), X = rfft(x) and C = sum_b G conj(X):
+    dL/dx = irfft(G conj(S))[:L]; dL/dk_fwd[j] = sum g_t x_{t-j} = irfft(C)[j]; dL/dk_bwd[j] = sum g_t x_{t+j}
+    = irfft(conj C)[j].
+    x: [B, D, L] real; k: [D, L] or [2D, L] (forward rows first). Returns [B, D, L].
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, k: Tensor, bidirectional: bool) -> Tensor:
+        n_fft = _fft_length(x.shape[-1])
+        y = torch.fft.irfft(torch.fft.rfft(x, n=n_fft) * _spectrum(k, x.shape[1], n_fft), n=n_fft)
+        ctx.save_for_backward(x, k)
+        return y[..., : x.shape[-1]]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, k = ctx.saved_tensors
+        d, length = x.shape[1], x.shape[-1]
+        n_fft = _fft_length(length)
+        g = torch.fft.rfft(grad, n=n_fft)
+        grad_x = grad_k = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.fft.irfft(g * _spectrum(k, d, n_fft).conj(), n=n_fft)[..., :length]
+        if ctx.needs_input_grad[1]:
+            c = (g * torch.fft.rfft(x, n=n_fft).conj()).sum(0)
+            grad_k = torch.fft.irfft(c, n=n_fft)[..., :length]
+            if k.shape[0] > d:  # bidirectional
+                grad_k = torch.cat([grad_k, torch.fft.irfft(c.conj(), n=n_fft)[..., :length]])
+        return grad_x, grad_k, None
+
+
+def _spectrum(k: Tensor, d: int, n_fft: int) -> Tensor:
+    """rfft of the forward kernel rows, plus the conjugate spectrum of the backward rows if any: the sum
+    over s >= t of kb_{s-t} x_s is a correlation, and time reversal of a real kernel conjugates its spectrum."""
     spectrum = torch.fft.rfft(k[:d], n=n_fft)
-    if bidirectional:
-        # sum_{s>=t} kb_{s-t} x_s is a correlation: time reversal of a real kernel = conjugate spectrum.
-        spectrum = spectrum + torch.fft.rfft(k[d:], n=n_fft).conj()
-    y = torch.fft.irfft(torch.fft.rfft(x, n=n_fft) * spectrum, n=n_fft)
-    return y[..., :length]
+    return spectrum + torch.fft.rfft(k[d:], n=n_fft).conj() if k.shape[0] > d else spectrum
+
+
+def _cema_fft(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, bidirectional: bool) -> Tensor:
+    """x: [B, D, L] -> the convolution part of y, [B, D, L]. The kernel's power tables (float64 exp and
+    polar of [D, N, sqrt L]) are recomputed in backward rather than stored."""
+    k = recompute(functools.partial(cema_kernel, length=x.shape[-1]), p, q, gamma)
+    return _FFTConv.apply(x, k, bidirectional)
 
 
 def _cema_chunked(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, h0: Tensor | None, chunk: int) -> Tensor:
@@ -264,6 +303,6 @@ def cema(
                 y = y + _vandermonde_real(gamma * q * h0, _log(q), length)
     else:
         y = _cema_chunked(xt, p, q, gamma, h0, chunk_size)
-    y = y.transpose(1, 2) + omega * xf
+    y = (omega * xf).add_(y.transpose(1, 2))  # [B, L, D] contiguous, as every Linear that reads it needs
     h_last = _final_state(xt, p, q, h0) if return_state else None
     return y.to(out_dtype), h_last

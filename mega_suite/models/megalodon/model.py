@@ -34,6 +34,7 @@ from mega_suite.models.common import (
 )
 from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.config import MegalodonConfig
+from mega_suite.models.megalodon.lean import dropout, recompute, recompute_saved, silu_gate_linear
 
 NormState = tuple[Tensor, Tensor, Tensor]
 
@@ -85,11 +86,22 @@ class TimestepNorm(nn.Module):
     def forward(
         self, x: Tensor, state: NormState | None = None, padding_mask: Tensor | None = None
     ) -> tuple[Tensor, NormState | None]:
-        if not self.causal:
-            return group_norm(x, self.weight, self.bias, self.num_groups, self.eps, padding_mask), None
+        if not self.causal:  # elementwise and two reductions: recomputed in backward, only x is stored
+            g, eps = self.num_groups, self.eps
+            fn = functools.partial(group_norm, num_groups=g, eps=eps, padding_mask=padding_mask)
+            return recompute(fn, x, self.weight, self.bias), None
         if state is None and self.chunk_parallel is not None:  # x is one rank's slice (SPEC §8)
             return self.chunk_parallel.timestep_norm(self, x, padding_mask)
+        if state is None and x.device.type == "cpu":  # the reference's cumulative sums: recomputed in
+            # backward, only x stored (the CUDA Triton kernel keeps its own small statistics)
+            fn = functools.partial(self._flat_norm, padding_mask=padding_mask)
+            y, *new_state = recompute(fn, x, self.weight, self.bias)
+            return y, tuple(new_state)
         return timestep_norm(x, self.weight, self.bias, self.num_groups, self.eps, state, padding_mask)
+
+    def _flat_norm(self, x: Tensor, weight: Tensor, bias: Tensor, padding_mask: Tensor | None):
+        y, state = timestep_norm(x, weight, bias, self.num_groups, self.eps, None, padding_mask)
+        return y, *state
 
     def extra_repr(self) -> str:
         return f"{self.dim}, groups={self.num_groups}, eps={self.eps}, causal={self.causal}"
@@ -276,24 +288,31 @@ class MegalodonAttention(nn.Module):
         nn.init.zeros_(self.beta)
 
     def _qkv(self, x_hat: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(Z [B, L, h, Z/h], V [B, L, h, E/h], W_r M before its SiLU, V before its SiLU)."""
         b, length, _ = m.shape
         h = self.num_heads
-        zd = self.cfg.z_dim // h
-        z = self.wz(m).view(b, length, h, zd)
+        z = self.wz(m).view(b, length, h, -1)
+        v_pre = self.wv(x_hat)
+        v = F.silu(v_pre).view(b, length, h, -1)
+        return z, v, self.wr(m), v_pre
+
+    def _qk(self, z: Tensor, gamma: Tensor, beta: Tensor, positions: Tensor, dtype: torch.dtype):
+        """Z -> RoPE(Q), RoPE(K) in ``dtype``: per-head normalised Z (float32, or float64), scaled by
+        (1 + gamma) / sqrt(Z/h), offset by beta, rotated in float32, then V's dtype (the Linear layers'
+        compute dtype: bf16 under autocast), so Q, K and V reach ``chunk_attention`` in one dtype."""
+        h, zd = z.shape[-2:]
         zf = z.float() if z.dtype != torch.float64 else z
         z_hat = zf * torch.rsqrt(zf.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
-        scale = (1 + self.gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
-        qk = z_hat.unsqueeze(0) * scale + self.beta.view(2, 1, 1, h, zd)
-        q, k = qk[0], qk[1]  # float32 (float64): RoPE is applied before they take V's dtype
-        v = F.silu(self.wv(x_hat)).view(b, length, h, -1)
-        r = F.silu(self.wr(m))
-        return q, k, v, r
-
-    def _rope(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """RoPE on the float32 Q, K, then V's dtype (the Linear layers' compute dtype: bf16 under autocast),
-        so Q, K and V reach ``chunk_attention`` in one dtype and the fused kernel can take them."""
+        scale = (1 + gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
+        qk = z_hat.unsqueeze(0) * scale + beta.view(2, 1, 1, h, zd)
         base = self.cfg.rope_base
-        return rope(q, positions, base).to(v.dtype), rope(k, positions, base).to(v.dtype)
+        return rope(qk[0], positions, base).to(dtype), rope(qk[1], positions, base).to(dtype)
+
+    def _rope(self, z: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE(Q), RoPE(K) from Z; under autograd only Z is stored (``lean.recompute``)."""
+        return recompute(
+            functools.partial(self._qk, positions=positions, dtype=v.dtype), z, self.gamma, self.beta
+        )
 
     def forward(
         self,
@@ -311,20 +330,27 @@ class MegalodonAttention(nn.Module):
         cfg = self.cfg
         c = cfg.chunk_size
         x_hat, norm_state = self.timenorm(x, None if cache is None else cache.norm, padding_mask)
+        # The whole-sequence group norm already zeroes padded steps: CEMA's masked copy of x_hat would be
+        # x_hat again, stored a second time for backward.
         cema_out, h_last = self.cema(
-            x_hat, h0=None if cache is None else cache.cema, padding_mask=padding_mask,
-            return_state=cache is not None,
+            x_hat, h0=None if cache is None else cache.cema,
+            padding_mask=padding_mask if self.causal else None, return_state=cache is not None,
         )  # fmt: skip
-        m = F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training)
-        q, k, v, r = self._qkv(x_hat, m)
+        m = F.dropout(self._rmsnorm(cema_out), cfg.hidden_dropout, self.training)
+        z, v, r_pre, v_pre = self._qkv(x_hat, m)
         length = x.shape[1]
         offset = pos % c
         attn_p = cfg.attention_dropout if self.training else 0.0
         new_cache = None
         if cache is None or offset == 0:
             positions = torch.arange(length, device=x.device) % c
-            q, k = self._rope(q, k, v, positions)
-            o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
+            q, k = self._rope(z, v, positions)
+            # Attention keeps no V of its own: V = SiLU(W_v X̂) is rebuilt when backward needs it (W_v X̂ is
+            # kept for SiLU's backward anyway). Q, K are kept: rebuilding them measured slower (their
+            # recompute for the Z gradient runs later, so it cannot be shared) and did not lower the peak.
+            rebuild_v = lambda: (F.silu(v_pre).view(v.shape),)  # noqa: E731
+            with recompute_saved(((v,), rebuild_v)):
+                o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
                 tail = length % c  # keys of the unfinished last chunk stay cached (copied: bounded memory)
                 kv = ChunkKV.new(k[:, length - tail :], v[:, length - tail :], c) if tail else None
@@ -333,15 +359,21 @@ class MegalodonAttention(nn.Module):
             if offset + length > c:
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
             positions = torch.arange(offset, offset + length, device=x.device)
-            q, k = self._rope(q, k, v, positions)
+            q, k = self._rope(z, v, positions)
             kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.append(k, v)
             o = attention_with_cache(q, kv.keys, kv.values, offset)
             full = offset + length == c
             new_cache = LayerCache(norm_state, h_last, None if full else kv, cache.window)
         o = o.reshape(*o.shape[:2], -1)
-        gated = F.dropout(o * r, cfg.hidden_dropout, self.training)
-        out = self.wh1(m) + self.wh2(gated)
-        return out, new_cache
+        if self.training and cfg.hidden_dropout > 0:
+            gated = F.dropout(o * F.silu(r_pre), cfg.hidden_dropout, self.training)
+            return self.wh1(m) + self.wh2(gated), new_cache
+        return self.wh1(m) + silu_gate_linear(r_pre, o, self.wh2.weight), new_cache
+
+    def _rmsnorm(self, x: Tensor) -> Tensor:
+        """RMSNorm(x) storing only x for backward (its output is kept by the Linear layers that read it)."""
+        norm = self.rmsnorm
+        return recompute(lambda t, w: torch.func.functional_call(norm, {"weight": w}, (t,)), x, norm.weight)
 
 
 class NormalizedFFN(nn.Module):
@@ -364,10 +396,13 @@ class NormalizedFFN(nn.Module):
 
     def forward(self, y: Tensor) -> Tensor:
         u = self.norm(y)
-        a = F.silu(self.fc1(u))
-        if self.fc3 is not None:
-            a = a * self.fc3(u)
-        out = self.fc2(F.dropout(a, self.cfg.hidden_dropout, self.training))
+        b = None if self.fc3 is None else self.fc3(u)
+        if self.training and self.cfg.hidden_dropout > 0:
+            a = F.silu(self.fc1(u))
+            a = a if b is None else a * b
+            out = self.fc2(F.dropout(a, self.cfg.hidden_dropout, self.training))
+        else:  # SiLU(fc1 u) (* fc3 u) is recomputed in backward, not stored
+            out = silu_gate_linear(self.fc1(u), b, self.fc2.weight)
         return out * self.alpha if self.alpha is not None else out
 
 
@@ -394,8 +429,8 @@ class MegalodonBlock(nn.Module):
     ) -> tuple[Tensor, LayerCache | None]:
         p = self.cfg.dropout
         h, cache = self.mega(x, padding_mask, cache, pos)
-        y = drop_path(F.dropout(h, p, self.training), self.drop_path, self.training) + x
-        out = x + drop_path(F.dropout(self.nffn(y), p, self.training), self.drop_path, self.training)
+        y = drop_path(dropout(h, p, self.training), self.drop_path, self.training) + x
+        out = x + drop_path(dropout(self.nffn(y), p, self.training), self.drop_path, self.training)
         return out, cache
 
     def step(
@@ -885,7 +920,7 @@ class MegalodonClassifier(Backbone):
                     f"padding_mask must be {tuple(h.shape[:2])}, got {tuple(padding_mask.shape)}"
                 )
             h = h.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-        h = F.dropout(h, self.cfg.dropout, self.training)
+        h = dropout(h, self.cfg.dropout, self.training)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 h = torch.utils.checkpoint.checkpoint(

@@ -1,0 +1,139 @@
+"""What a block stores for backward (mega_suite.models.megalodon.lean, kernels.recompute): each Function
+against plain autograd and finite differences in float64, dropout draw for draw equal to F.dropout, and the
+bytes a tiny block keeps per token."""
+
+import pytest
+import test_model as tm
+import torch
+import torch.nn.functional as F
+
+from bench.saved_bytes import saved_bytes
+from kernels.recompute import recompute
+from mega_suite.models.megalodon.lean import dropout, is_rebuilt, recompute_saved, silu_gate_linear
+from mega_suite.models.megalodon.model import MegalodonBlock
+
+TIGHT = dict(rtol=1e-12, atol=1e-12)
+
+
+def _f64(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "silu"])
+def test_silu_gate_linear_matches_autograd(gated):
+    g, w = _f64(2, 3, 5, seed=1), _f64(4, 5, seed=2)
+    a = _f64(2, 3, 5, seed=3) if gated else None
+    inputs = (g, a, w) if gated else (g, w)
+    fn = (
+        (lambda g_, a_, w_: silu_gate_linear(g_, a_, w_))
+        if gated
+        else (lambda g_, w_: silu_gate_linear(g_, None, w_))
+    )
+    torch.autograd.gradcheck(fn, inputs)
+    oracle = F.linear(F.silu(g) * a if gated else F.silu(g), w)  # noqa: E731
+    out = fn(*inputs)
+    torch.testing.assert_close(out, oracle, **TIGHT)
+    cot = torch.randn(out.shape, dtype=torch.float64)
+    for x, y in zip(
+        torch.autograd.grad((out * cot).sum(), inputs), torch.autograd.grad((oracle * cot).sum(), inputs)
+    ):
+        torch.testing.assert_close(x, y, **TIGHT)
+
+
+def test_silu_gate_linear_bf16_autocast_like_autograd():
+    """Under CPU bf16 autocast: the same output and the same gradients as autocast's own graph."""
+    g = torch.randn(2, 3, 8, requires_grad=True)
+    a = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        gb, ab = g.bfloat16(), a.bfloat16()
+        out = silu_gate_linear(gb, ab, w)
+        ref = F.linear(F.silu(gb) * ab, w)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    cot = torch.randn(out.shape).bfloat16()
+    for x, y in zip(
+        torch.autograd.grad((out * cot).sum(), (g, a, w)), torch.autograd.grad((ref * cot).sum(), (g, a, w))
+    ):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dropout_is_f_dropout(dtype):
+    """Same generator draws, same values, same gradients as F.dropout; a bool mask is what is stored."""
+    x = torch.randn(3, 11, 7, dtype=dtype, requires_grad=True)
+    cot = torch.randn(3, 11, 7, dtype=dtype)
+    torch.manual_seed(5)
+    want = F.dropout(x, 0.3, True)
+    torch.manual_seed(5)
+    got = dropout(x, 0.3, True)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got, x, cot)[0], torch.autograd.grad(want, x, cot)[0])
+    assert [t.dtype for t in dropout(x, 0.3, True).grad_fn.saved_tensors] == [torch.bool]
+    assert torch.equal(dropout(x, 0.3, False), x)
+
+
+def test_recompute_gradcheck_and_unused_outputs():
+    x, w = _f64(3, 4, seed=7), _f64(4, seed=8)
+
+    def fn(x_, w_):
+        y = x_ * torch.rsqrt(x_.square().mean(-1, keepdim=True) + 1e-5) * (1 + w_)
+        return y, y.sum(-1)
+
+    torch.autograd.gradcheck(lambda a, b: recompute(fn, a, b), (x, w))
+    y, _ = recompute(fn, x, w)  # the second output unused: backward gets no gradient for it
+    assert [tuple(t.shape) for t in y.grad_fn.saved_tensors] == [(3, 4), (4,)]
+    want = fn(x, w)[0]
+    torch.testing.assert_close(y, want, **TIGHT)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, w)), torch.autograd.grad(want.sum(), (x, w))):
+        torch.testing.assert_close(a, b, **TIGHT)
+
+
+def test_recompute_saved_rebuilds_views():
+    """Views of t saved inside the context come back as the same views of fn(), computed once; the
+    gradients are those of plain autograd."""
+    pre = _f64(2, 6, seed=9)
+    calls = []
+
+    def rebuild():
+        calls.append(1)
+        return F.silu(pre.detach())
+
+    v = F.silu(pre)
+    with recompute_saved(((v,), lambda: (rebuild(),))):
+        prod = v[:, :4] * v[:, 2:]
+        out = prod.sum() + (v[:, 1:] ** 3).sum()
+    assert is_rebuilt(prod.grad_fn._saved_self) and is_rebuilt(prod.grad_fn._saved_other)
+    assert len(calls) == 1
+    got = torch.autograd.grad(out, pre)[0]
+    w = F.silu(pre)
+    want = torch.autograd.grad((w[:, :4] * w[:, 2:]).sum() + (w[:, 1:] ** 3).sum(), pre)[0]
+    torch.testing.assert_close(got, want, **TIGHT)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
+def test_block_saved_bytes_per_token(classifier):
+    """Bytes per token of the [B, L]-sized tensors one block keeps (D = 16, Z = 8, E = 16, F = 32 SwiGLU,
+    float32): 15.3 D floats now, bounded by 17 D; the code before (padded Q/K/V copies, FFT spectra, SiLU
+    outputs and products, float dropout masks, the non-contiguous CEMA output copied per Linear) kept 37 D."""
+    cfg = tm.tiny_config(chunk_size=64, num_classes=3 if classifier else 0, dropout=0.1)
+    block = MegalodonBlock(cfg).train()
+    B, L = 4, 64
+    x = torch.randn(B, L, cfg.model_dim, requires_grad=True)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[2:, 48:] = True
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, t):
+            return block(t, mask if classifier else None)
+
+    by = saved_bytes(Wrapped(), x)
+    per_token = sum(b for (_, _, shape, _), b in by.items() if shape and shape[0] in (B, B * L)) / (B * L)
+    assert per_token <= 17 * cfg.model_dim * 4, (per_token, by.most_common(12))
