@@ -13,6 +13,7 @@ Every module re-initialises itself with ``reset_parameters()``, so models can be
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
