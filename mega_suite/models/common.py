@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from kernels.recompute import recompute
+
 
 def init_all(root: nn.Module) -> None:
     """Call every ``reset_parameters`` children first, so a parent's own initialisation wins."""
@@ -130,9 +132,11 @@ class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · (1 + weight), weight initialised to 0 (Megalodon's plus-one convention,
     SPEC §1); with ``plus_one=False`` · weight, initialised to 1 (Llama's). Statistics in float32."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = True, lean: bool = False):
         super().__init__()
-        self.eps, self.plus_one = eps, plus_one
+        # lean: only x is stored for backward, the normalisation is recomputed there (kernels.recompute);
+        # for a norm whose output the next Linear layers keep anyway
+        self.eps, self.plus_one, self.lean = eps, plus_one, lean
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
@@ -140,9 +144,15 @@ class RMSNorm(nn.Module):
         nn.init.constant_(self.weight, 0.0 if self.plus_one else 1.0)
 
     def forward(self, x: Tensor) -> Tensor:
+        # the weight is read here, inside the module's own forward: under FSDP2 that is the unsharded one
+        if self.lean:
+            return recompute(self._normalise, x, self.weight)
+        return self._normalise(x, self.weight)
+
+    def _normalise(self, x: Tensor, weight: Tensor) -> Tensor:
         xf = x.float() if x.dtype in _LOW_PRECISION else x  # bf16-true models too: float32 statistics
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * (1 + self.weight) if self.plus_one else y * self.weight).to(x.dtype)
+        return (y * (1 + weight) if self.plus_one else y * weight).to(x.dtype)
 
 
 @float32_island()

@@ -273,7 +273,7 @@ class MegalodonAttention(nn.Module):
         self.causal = causal
         self.timenorm = TimestepNorm(d, cfg.norm_num_groups, cfg.norm_eps, causal=causal)
         self.cema = ComplexEMA(d, cfg.cema_ndim, bidirectional=not causal, method=cfg.cema_method)
-        self.rmsnorm = RMSNorm(d, cfg.norm_eps)
+        self.rmsnorm = RMSNorm(d, cfg.norm_eps, lean=True)  # W_z, W_r, W_h1 keep its output
         self.wz = Linear(d, z)
         self.wv = Linear(d, e)
         self.wr = Linear(d, e)
@@ -337,7 +337,7 @@ class MegalodonAttention(nn.Module):
             x_hat, h0=None if cache is None else cache.cema,
             padding_mask=padding_mask if self.causal else None, return_state=cache is not None,
         )  # fmt: skip
-        m = F.dropout(self._rmsnorm(cema_out), cfg.hidden_dropout, self.training)
+        m = F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training)
         z, v, r_pre, v_pre = self._qkv(x_hat, m)
         length = x.shape[1]
         offset = pos % c
@@ -370,11 +370,6 @@ class MegalodonAttention(nn.Module):
             gated = F.dropout(o * F.silu(r_pre), cfg.hidden_dropout, self.training)
             return self.wh1(m) + self.wh2(gated), new_cache
         return self.wh1(m) + silu_gate_linear(r_pre, o, self.wh2.weight), new_cache
-
-    def _rmsnorm(self, x: Tensor) -> Tensor:
-        """RMSNorm(x) storing only x for backward (its output is kept by the Linear layers that read it)."""
-        norm = self.rmsnorm
-        return recompute(lambda t, w: torch.func.functional_call(norm, {"weight": w}, (t,)), x, norm.weight)
 
 
 class NormalizedFFN(nn.Module):
