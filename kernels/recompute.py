@@ -50,6 +50,8 @@ def recompute(fn: Callable[..., Tensor | tuple[Tensor, ...]], *xs: Tensor):
     Every tensor that needs a gradient must be among ``xs`` (parameters included); without autograd it is
     just ``fn(*xs)``.
     """
-    if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
+    # Under torch.compile, plain fn: Dynamo cannot trace the autograd.grad of the backward (the block
+    # would fall back to eager), and AOT autograd's partitioner chooses what to recompute itself.
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
         return fn(*xs)
     return _Recompute.apply(fn, *xs)

@@ -111,7 +111,11 @@ class _Recipe:
 def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor, ...]]]) -> Iterator[None]:
     """Each group is (tensors, fn) with fn() returning those tensors' values again, in their layouts. Tensors
     saved for backward inside the context that are views of one of them are stored as (shape, strides,
-    offset) and rebuilt as the same view of fn()'s result; fn runs once, when backward first reads one."""
+    offset) and rebuilt as the same view of fn()'s result; fn runs once, when backward first reads one.
+    Under torch.compile it does nothing: AOT autograd's partitioner decides what is saved."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     where = {
         (t.untyped_storage().data_ptr(), t.dtype): (g, i)
         for g, (ts, _) in enumerate(groups)
