@@ -101,9 +101,9 @@ class SuiteModule(L.LightningModule):
         checkpoints do not change (no ``_orig_mod.`` prefix), and methods other than ``forward`` that
         training calls (the LM's ``forward_hidden``) run compiled blocks too; a wrapped whole model would
         compile only ``forward``, which language-model training never calls."""
-        backend = self.trainer_cfg.get("compile_backend", "inductor")
         if not self.trainer_cfg.get("compile", False):
             return
+        backend = self.trainer_cfg.get("compile_backend", "inductor")
         for unit in self.model.compile_units():
             if getattr(unit, "_compiled_call_impl", None) is None:
                 unit.compile(backend=backend)

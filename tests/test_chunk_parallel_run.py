@@ -10,15 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from spawn_support import TINY_KJV_LM
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SMALL_LM = [
-    "recipe=kjv", "model.num_layers=2", "model.model_dim=16", "model.z_dim=8", "model.value_dim=16",
-    "model.ffn_hidden_dim=16", "model.cema_ndim=2", "model.norm_num_groups=4", "model.chunk_size=32",
-    "data.batch_size=2", "data.options.seq_len=64", "data.options.eval_seq_len=2048", "optim.warmup_steps=2",
-    "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1.0", "trainer.limit_test_batches=2", "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.max_steps=3",
+    *TINY_KJV_LM, "data.options.eval_seq_len=2048", "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1.0", "trainer.limit_test_batches=2", "trainer.strategy=fsdp", "trainer.max_steps=3",
 ]  # fmt: skip
 
 

@@ -15,28 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_support import TINY_KJV_LM
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SMALL_LM = [
-    "recipe=kjv",
-    "model.num_layers=2",
-    "model.model_dim=16",
-    "model.z_dim=8",
-    "model.value_dim=16",
-    "model.ffn_hidden_dim=16",
-    "model.cema_ndim=2",
-    "model.norm_num_groups=4",
-    "model.chunk_size=32",
-    "data.batch_size=2",
-    "data.options.seq_len=64",
-    "optim.warmup_steps=2",
-    "trainer.progress_bar=false",
-    "trainer.log_every_n_steps=1",
+    *TINY_KJV_LM,
     "trainer.val_check_interval=100000",
     "trainer.limit_val_batches=2",
     "trainer.limit_test_batches=3",
-    "trainer.accelerator=cpu",
 ]
 FSDP2 = ["trainer.strategy=fsdp", "trainer.devices=2"]
 STEPS = 30
