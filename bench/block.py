@@ -72,16 +72,17 @@ class LlamaBlock(nn.Module):
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self._rope_cache: dict[int, tuple[Tensor, Tensor]] = {}
+        self._rope_cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
-    def _cos_sin(self, length: int) -> tuple[Tensor, Tensor]:
-        if length not in self._rope_cache:  # precomputed once per length, as Llama code does
+    def _cos_sin(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        key = (length, device)
+        if key not in self._rope_cache:  # precomputed once per length and device, as Llama code does
             d = self.head_dim
-            inv_freq = self.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-            angle = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq
+            inv_freq = self.rope_base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+            angle = torch.arange(length, dtype=torch.float32, device=device)[:, None] * inv_freq
             angle = torch.cat([angle, angle], -1)  # [L, d]
-            self._rope_cache[length] = (angle.cos(), angle.sin())
-        return self._rope_cache[length]
+            self._rope_cache[key] = (angle.cos(), angle.sin())
+        return self._rope_cache[key]
 
     @staticmethod
     def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -95,7 +96,7 @@ class LlamaBlock(nn.Module):
             w(h).view(b, length, self.heads, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
-        cos, sin = self._cos_sin(length)
+        cos, sin = self._cos_sin(length, x.device)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(o.transpose(1, 2).reshape(b, length, dim))

@@ -61,6 +61,27 @@ def test_runner_writes_each_stage_as_it_ends_and_keeps_going_after_a_crash(tmp_p
     assert "## Summary" in text
 
 
+def test_a_stage_past_its_budget_fails_alone(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(gpu_check, "STAGE_GRACE_S", 0)
+    report = gpu_check.Report(tmp_path / "r.md", "# GPU check\n")
+    start = time.perf_counter()
+    results = gpu_check.run_stages(
+        [("hang", 1, lambda: time.sleep(30)), ("next", 5, lambda: gpu_check.Outcome(True))], report
+    )
+    assert time.perf_counter() - start < 10
+    assert [(r.name, r.ok) for r in results] == [("hang", False), ("next", True)]
+    assert "StageTimeout" in (tmp_path / "r.md").read_text()
+
+
+def test_a_killed_command_returns_what_it_printed():
+    rc, text = gpu_check._run(
+        [sys.executable, "-c", "import time; print('step 1', flush=True); time.sleep(30)"], 2
+    )
+    assert rc == 124 and "step 1" in text and "killed after 2 s" in text
+
+
 def test_every_stage_exists_and_the_budget_fits_twenty_minutes():
     names = [name for name, _, _ in gpu_check.STAGES]
     assert names == ["cuda_tests", "model_step", "kernels", "block", "listops"]
