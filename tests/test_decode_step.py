@@ -140,3 +140,43 @@ def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
     layers = model.new_cache(2).layers
     assert layers[0].cema is None
     assert layers[1].cema.dtype == torch.complex64 and not layers[1].cema.any()
+
+
+# ------------------------------------------------------------------ StaticDecoder (the CUDA-graph step)
+
+
+def static_decode_logits(model, tokens, prompt, buckets):
+    """Prompt through the full pass, then ``decode.StaticDecoder`` (no graphs on CPU) one token at a time."""
+    with torch.no_grad():
+        logits, cache = model(tokens[:, :prompt], use_cache=True)
+        dec = decode.StaticDecoder(model, cache, buckets=buckets)
+        outs = [logits] + [dec.step(tokens[:, i]).clone().unsqueeze(1) for i in range(prompt, tokens.shape[1])]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("prompt, buckets, heads", [(5, 3, 2), (8, 1, 1), (3, 8, 2)])
+def test_static_decoder_equals_float64_full_pass(prompt, buckets, heads):
+    """Fixed KV buffers, a device-side chunk offset and masked attention over bucketed lengths: the same logits
+    as the float64 full pass across two chunk boundaries, from a prompt that ends mid-chunk (its keys copied
+    into the buffers), exactly on a boundary, and with one bucket per row."""
+    model = make_lm(chunk_size=8, num_heads=heads)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 22), generator=torch.Generator().manual_seed(3))
+    got = static_decode_logits(model, tokens, prompt, buckets)
+    want = float64_logits(model, tokens)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+
+
+def test_static_decoder_checks_its_inputs_and_the_weights():
+    model = make_lm(chunk_size=8)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, cache = model(tokens, use_cache=True)
+        with pytest.raises(ValueError, match="buckets must be in"):
+            decode.StaticDecoder(model, cache, buckets=9)
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+            decode.StaticDecoder(model, cache, graphs=True)
+        dec = decode.StaticDecoder(model, cache)
+        dec.step(tokens[:, 0])
+        model.layers[0].mega.wv.weight.add_(1.0)  # an in-place update: the packs are stale
+        with pytest.raises(RuntimeError, match="weights changed"):
+            dec.step(tokens[:, 1])

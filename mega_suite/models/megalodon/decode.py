@@ -211,26 +211,50 @@ def rms_scale(x: Tensor, eps_t: Tensor, n: int) -> Tensor:
     return torch.rsqrt(torch.addcmul(eps_t, norm, norm, value=1.0 / n))
 
 
-def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
-    """One block, one token: x [B, D] float32 at absolute position ``pos`` -> (X + FFN(LN(H + X)), cache).
-    The equations of ``MegalodonBlock.forward`` with a cache (SPEC §1-§4, §7)."""
-    from mega_suite.models.megalodon.model import ChunkKV, LayerCache
-
+def _block_in(pk: BlockPack, x: Tensor, norm_state, cema_state: Tensor | None, rope_row: Tensor):
+    """The first half of a block's step, up to the new token's q, k, v: SPEC §2-§4 with the folded packs.
+    ``rope_row`` [..., zd/2] complex is the RoPE rotation of the token's chunk offset. Returns
+    (q, k [B, 1, h, zd], v [B, 1, h, E/h], r [B, E], m W_h1 + b_h1 [B, D], norm state, CEMA state)."""
     bsz, h, zd, z, e = x.shape[0], pk.h, pk.zd, pk.z, pk.e
-    offset = pos % pk.chunk
-    x_hat, norm_state = timestep_norm_step(x, cache.norm, pk.tn_w1, pk.tn_b, pk.groups, pk.eps)
+    x_hat, norm_state = timestep_norm_step(x, norm_state, pk.tn_w1, pk.tn_b, pk.groups, pk.eps)
     px = pk.p * x_hat.unsqueeze(-1)
-    state = px.to(pk.q.dtype) if cache.cema is None else torch.addcmul(px, pk.q, cache.cema)  # p x + q h
+    state = px.to(pk.q.dtype) if cema_state is None else torch.addcmul(px, pk.q, cema_state)  # p x + q h
     cema_out = torch.addcmul(torch.linalg.vecdot(pk.gamma_c, state).real, pk.omega, x_hat)
     m = cema_out * rms_scale(cema_out, pk.rms_eps_t, pk.d)  # (1 + w) is in the m-pack's weights
     zrh = pk.gemv_m(m)  # [B, Z + E + D]: z, r, and m W_h1 + b_h1
     zh = zrh[:, :z].view(bsz, h, zd)
     qk = torch.addcmul(pk.qk_beta, zh, rms_scale(zh, pk.eps_t, zd) * pk.qk_scale)  # [2, B, h, zd]
-    qk = torch.view_as_real(torch.view_as_complex(qk.view(2, bsz, h, zd // 2, 2)) * pk.rope[offset])
+    qk = torch.view_as_real(torch.view_as_complex(qk.view(2, bsz, h, zd // 2, 2)) * rope_row)
     qk = qk.view(2, bsz, 1, h, zd)
     v = F.silu(pk.gemv_v(x_hat)).view(bsz, 1, h, e // h)
     r = F.silu(zrh[:, z : z + e])
-    q, k = qk[0], qk[1]
+    return qk[0], qk[1], v, r, zrh[:, z + e :], norm_state, state
+
+
+def _block_out(
+    pk: BlockPack, x: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask, r: Tensor, h1: Tensor
+):
+    """The second half: softmax(q kᵀ) v over the chunk's keys [B, n, h, zd] (``mask`` [n] True = not yet
+    written, or None), the gate, the W_h2 GEMV onto m W_h1 + b_h1, the residual, then the FFN."""
+    bsz = x.shape[0]
+    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()  # [B, h, 1, E/h]
+    y = pk.gemv_h2((o.view(bsz, pk.e) * r), add=h1).add_(x)  # H + X
+    u = F.layer_norm(y, (pk.d,), None, None, pk.ln_eps)
+    g = pk.gemv_13(u)
+    a = F.silu(g[:, : pk.ffn_dim]) * g[:, pk.ffn_dim :] if pk.swiglu else F.silu(g)
+    return pk.gemv_2(a, add=x)
+
+
+def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
+    """One block, one token: x [B, D] float32 at absolute position ``pos`` -> (X + FFN(LN(H + X)), cache).
+    The equations of ``MegalodonBlock.forward`` with a cache (SPEC §1-§4, §7)."""
+    from mega_suite.models.megalodon.model import ChunkKV, LayerCache
+
+    offset = pos % pk.chunk
+    q, k, v, r, h1, norm_state, state = _block_in(pk, x, cache.norm, cache.cema, pk.rope[offset])
     if cache.kv is None or offset == 0:
         kv = ChunkKV.new(k, v, pk.chunk)
     else:
@@ -238,14 +262,7 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
         if kdt != q.dtype:
             q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
         kv = cache.kv.append(k, v)
-    keys, values = kv.keys, kv.values  # [B, n, h, *]
-    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
-    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()  # [B, h, 1, E/h]
-    y = pk.gemv_h2((o.view(bsz, e) * r), add=zrh[:, z + e :]).add_(x)  # H + X
-    u = F.layer_norm(y, (pk.d,), None, None, pk.ln_eps)
-    g = pk.gemv_13(u)
-    a = F.silu(g[:, : pk.ffn_dim]) * g[:, pk.ffn_dim :] if pk.swiglu else F.silu(g)
-    out = pk.gemv_2(a, add=x)
+    out = _block_out(pk, x, q, kv.keys, kv.values, None, r, h1)
     full = offset + 1 == pk.chunk
     return out, LayerCache(norm_state, state, None if full else kv, cache.window)
 
@@ -257,3 +274,130 @@ def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor
     inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = torch.arange(chunk, dtype=torch.float64).unsqueeze(-1) * inv
     return torch.polar(torch.ones_like(angle), angle).to(device, torch.complex64)
+
+
+class StaticDecoder:
+    """Greedy-free one-token decoding with every state in fixed buffers, so that a step has static shapes,
+    reads no host value and can be captured as a CUDA graph (one launch per token instead of one per op).
+
+        dec = StaticDecoder(model, cache)          # cache: the prompt's StreamingCache (model(prompt, use_cache=True))
+        logits = dec.step(tokens)                  # tokens [B] -> logits [B, V] float32 (a buffer: clone to keep)
+
+    The step is ``block_step``'s arithmetic (shared code) with three changes that keep shapes fixed: the chunk
+    offset t = pos mod C is a device tensor (RoPE row and KV write index read from it); the new key / value are
+    written into [B, C, ...] buffers at row t; attention runs over the first ``end`` rows of those buffers,
+    where ``end`` is the smallest of ``buckets`` equal steps of C that covers t + 1, rows > t masked (−inf).
+    So a step reads at most C/buckets rows more than the eager one. One graph is captured per bucket (sharing
+    one memory pool) the first time it is needed, when ``graphs`` (default: on CUDA). The model's weights are
+    read through its decode plan (``model.to_decode_dtype``); the plan must not change while a decoder lives
+    (``step`` checks, as the eager path does).
+    """
+
+    def __init__(self, model: nn.Module, cache, buckets: int = 8, graphs: bool | None = None):
+        if cache.window_stats:
+            raise ValueError(
+                "StaticDecoder does not support window_stats caches (per-chunk host bookkeeping)"
+            )
+        self.model, self.plan = model, model.decode_plan()
+        device = self.plan.final_w1.device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        if self.graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {device}")
+        self.chunk = model.cfg.chunk_size
+        if not 1 <= buckets <= self.chunk:
+            raise ValueError(f"buckets must be in [1, chunk_size={self.chunk}], got {buckets}")
+        self.ends = sorted({-(-self.chunk * (i + 1) // buckets) for i in range(buckets)})
+        self.position = cache.position
+        bsz = cache.final_norm[0].shape[0]
+        self.tokens = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.pos_t = torch.zeros((), dtype=torch.long, device=device)
+        self.rows = torch.arange(self.chunk, device=device)
+        self.layers = []
+        for pk, lc in zip(self.plan.blocks, cache.layers):
+            norm = tuple(t.clone() for t in lc.norm)
+            cema = (
+                lc.cema.clone()
+                if lc.cema is not None
+                else torch.zeros_like(pk.p, dtype=pk.q.dtype).expand(bsz, -1, -1).clone()
+            )
+            kdt = lc.kv.k_buf.dtype if lc.kv is not None else torch.float32
+            k_buf = torch.zeros(bsz, self.chunk, pk.h, pk.zd, dtype=kdt, device=device)
+            v_buf = torch.zeros(bsz, self.chunk, pk.h, pk.e // pk.h, dtype=kdt, device=device)
+            if lc.kv is not None:
+                n = lc.kv.length
+                k_buf[:, :n], v_buf[:, :n] = lc.kv.keys, lc.kv.values
+            self.layers.append((norm, cema, k_buf, v_buf))
+        self.final_norm = tuple(t.clone() for t in cache.final_norm)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # end -> (graph, its logits)
+        self._pool = None
+
+    def _buffers(self) -> list[Tensor]:
+        out = [self.pos_t, *self.final_norm]
+        for norm, cema, k_buf, v_buf in self.layers:
+            out += [*norm, cema, k_buf, v_buf]
+        return out
+
+    @torch.no_grad()
+    def _step(self, end: int) -> Tensor:
+        """One token from ``self.tokens`` at ``self.pos_t``; updates every state buffer in place."""
+        offset = torch.remainder(self.pos_t, self.chunk).view(1)
+        mask = self.rows[:end] > offset  # rows not yet written in this chunk
+        with torch.autocast(self.tokens.device.type, enabled=False):
+            x = self.model.embed_tokens(self.tokens).float()
+            for pk, (norm, cema, k_buf, v_buf) in zip(self.plan.blocks, self.layers):
+                q, k, v, r, h1, new_norm, new_cema = _block_in(
+                    pk, x, norm, cema, pk.rope.index_select(0, offset)
+                )
+                for buf, new in zip(norm, new_norm):
+                    buf.copy_(new)
+                cema.copy_(new_cema)
+                k_buf.index_copy_(1, offset, k.to(k_buf.dtype))
+                v_buf.index_copy_(1, offset, v.to(v_buf.dtype))
+                x = _block_out(pk, x, q.to(k_buf.dtype), k_buf[:, :end], v_buf[:, :end], mask, r, h1)
+            plan = self.plan
+            y, final = timestep_norm_step(
+                x, self.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
+            )
+            for buf, new in zip(self.final_norm, final):
+                buf.copy_(new)
+            return plan.head(y)
+
+    def _capture(self, end: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """Warm up (cuBLAS handles, allocator) on a side stream with the state saved and restored, then
+        capture one step into a graph that shares the decoder's memory pool."""
+        saved = [t.clone() for t in self._buffers()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(end)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(self._buffers(), saved):
+            t.copy_(s)
+        del saved
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(end)
+        self._pool = graph.pool()
+        return graph, logits
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens [B] (the next token of every row) -> logits [B, V] float32 of the position after them."""
+        if self.model.decode_plan() is not self.plan:
+            raise RuntimeError(
+                "the model's weights changed since this StaticDecoder was built; build a new one"
+            )
+        offset = self.position % self.chunk
+        end = next(e for e in self.ends if e > offset)
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.pos_t.fill_(self.position)
+        if self.graphs:
+            if end not in self._graphs:
+                self._graphs[end] = self._capture(end)
+            graph, logits = self._graphs[end]
+            graph.replay()
+        else:
+            logits = self._step(end)
+        self.position += 1
+        return logits

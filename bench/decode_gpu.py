@@ -1,0 +1,188 @@
+"""One-token decode of a 7B-width Megalodon on a GPU against its HBM floor, with kernel launches counted.
+
+    python -m bench.decode_gpu                          # megalodon_7b (32 layers), bf16 decode weights
+    python -m bench.decode_gpu --layers 8 --tokens 16   # fewer layers: the same per-layer costs, less memory
+    python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --layers 2   # smoke test (no graphs)
+
+Measured in one process, after one prompt (reference kernels, so no Triton compile) of ``--prompt`` tokens:
+
+- floors: the packed decode weights' bytes (bf16 packs, float32 head) over (a) the device-to-device copy
+  bandwidth (bytes read + written over time, a 2 GiB copy) and (b) the bandwidth of one bf16 GEMV
+  ``torch.mv`` over a [n, 4096] matrix of min(weights, 4 GiB) (scaled to the weights' bytes);
+- ``eager``: ``model(token, cache)``, the one-token path of ``decode.block_step`` (host launches every op);
+- ``static``: ``decode.StaticDecoder`` without graphs (fixed buffers, masked bucketed attention);
+- ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token.
+
+Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
+one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
+(``cudaLaunchKernel`` and friends, or one ``cudaGraphLaunch``). The graph's logits are checked against the
+eager path's for the same token and cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.common import markdown_table
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+                "cudaMemsetAsync", "cudaGraphLaunch")  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: torch.device, reps: int, warmup: int = 3) -> list[float]:
+    """Wall ms of each call, synchronised before and after."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def count_launches(fn, device: torch.device) -> tuple[int, int]:
+    """(device operations run, host launch calls) of one call of ``fn``, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return 0, 0
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    on_device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    return on_device, host
+
+
+def plan_bytes(plan) -> int:
+    gemvs = [g for b in plan.blocks for g in (b.gemv_m, b.gemv_v, b.gemv_h2, b.gemv_13, b.gemv_2)] + [
+        plan.head
+    ]
+    return sum(g.w.numel() * g.w.element_size() for g in gemvs)
+
+
+def floors(nbytes: int, device: torch.device) -> dict[str, float]:
+    """ms to read ``nbytes`` at the copy bandwidth and at one bf16 GEMV's bandwidth (measured here)."""
+    copy_bytes = 2 * 2**30 if device.type == "cuda" else 2**28
+    src = torch.randn(copy_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t_copy = statistics.median(time_ms(lambda: dst.copy_(src), device, 20))
+    copy_bw = 2 * copy_bytes / (t_copy / 1e3)  # bytes read + written per second
+    gemv_bytes = min(nbytes, 4 * 2**30 if device.type == "cuda" else 2**28)
+    w = torch.randn(gemv_bytes // 2 // 4096, 4096, device=device, dtype=torch.bfloat16)
+    x = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    t_mv = statistics.median(time_ms(lambda: torch.mv(w, x), device, 20))
+    mv_bw = w.numel() * 2 / (t_mv / 1e3)
+    return {"copy_bw": copy_bw, "mv_bw": mv_bw, "copy": nbytes / copy_bw * 1e3, "mv": nbytes / mv_bw * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="megalodon_7b")
+    ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the preset's)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=24, help="timed tokens per path")
+    ap.add_argument("--weights", choices=["bfloat16", "float32", "int8"], default="bfloat16")
+    ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench.decode_gpu: no CUDA device here (use --device cpu for a smoke test)", file=sys.stderr)
+        return 2
+
+    from kernels import dispatch
+    from mega_suite.models import count_parameters, create_model
+    from mega_suite.models.megalodon import decode
+
+    overrides = {"vocab_size": 32000} | ({} if args.layers is None else {"num_layers": args.layers})
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = create_model(args.preset, device=device, **overrides).eval()
+    model.to_decode_dtype(getattr(torch, args.weights))
+    n_params = count_parameters(model)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 32000, (1, args.prompt), generator=g).to(device)
+    steps = torch.randint(0, 32000, (3 * args.tokens + 20,), generator=g).to(device)
+    dispatch.force_reference(True)  # the prompt pass: PyTorch kernels, no Triton autotune compile
+    with torch.no_grad():
+        _, cache = model(prompt, use_cache=True)
+        plan = model.decode_plan()
+    dispatch.force_reference(None)
+    nbytes = plan_bytes(plan)
+    print(f"model {args.preset} ({n_params / 1e9:.2f}B params, {model.cfg.num_layers} layers) and plan built "
+          f"in {time.perf_counter() - t0:.0f} s; decode weights {nbytes / 1e9:.2f} GB", flush=True)  # fmt: skip
+    fl = floors(nbytes, device)
+    print(f"copy {fl['copy_bw'] / 1e12:.2f} TB/s (r+w), bf16 GEMV {fl['mv_bw'] / 1e12:.2f} TB/s", flush=True)
+
+    rows, it = [], iter(steps)
+
+    def eager_step():
+        nonlocal cache
+        with torch.no_grad():
+            logits, cache = model(next(it).view(1, 1), cache)
+        return logits
+
+    static = decode.StaticDecoder(model, cache, graphs=False)
+    graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
+    # Same token, same state: the graph's logits against the eager path's (before either advances).
+    check = ""
+    if graphs is not None:
+        first = steps[:1]
+        with torch.no_grad():
+            want, _ = model(first.view(1, 1), cache)
+        got = graphs.step(first).clone()
+        static.step(first)
+        err = float((got - want[:, 0]).abs().max() / want.abs().max())
+        check = f"graph vs eager logits, same token and cache: max|diff| / max|eager| = {err:.1e}"
+        print(check, flush=True)
+        eager_step()  # the eager cache takes the same token
+    paths = [("eager (block_step)", eager_step), ("static, no graph", lambda: static.step(next(it)))]
+    if graphs is not None:
+        paths.append(("CUDA graph (StaticDecoder)", lambda: graphs.step(next(it))))
+    for name, fn in paths:
+        ms = time_ms(fn, device, args.tokens)
+        kernels, launches = count_launches(fn, device)
+        med = statistics.median(ms)
+        rows.append([name, f"{med:.2f}", f"{min(ms):.2f}", f"{med / fl['copy']:.2f}", f"{med / fl['mv']:.2f}",
+                     kernels or "-", launches or "-"])  # fmt: skip
+        print(" | ".join(map(str, rows[-1])), flush=True)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
+    head = (
+        f"{args.preset}, {model.cfg.num_layers} layers, {n_params / 1e9:.2f}B parameters, {args.weights} decode "
+        f"weights ({nbytes / 1e9:.2f} GB read per token), batch 1, prompt {args.prompt}, {args.tokens} timed "
+        f"tokens per path; {name}, torch {torch.__version__}. Floors: the weights at the measured copy bandwidth "
+        f"({fl['copy_bw'] / 1e12:.2f} TB/s read + written) = {fl['copy']:.2f} ms; at one bf16 GEMV's bandwidth "
+        f"({fl['mv_bw'] / 1e12:.2f} TB/s) = {fl['mv']:.2f} ms.\n\n"
+    )
+    table = markdown_table(
+        ["path", "ms/token (median)", "min", "/ copy floor", "/ GEMV floor", "device ops per token",
+         "host launch calls per token"], rows)  # fmt: skip
+    text = head + table + ("\n\n" + check if check else "") + "\n"
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
