@@ -258,6 +258,14 @@ def _model_step_tiles():
     return attention_triton.KernelConfig(block_m=64, block_n=64, block_dv=64, num_warps=4, num_stages=2)
 
 
+def _at_least_fp32(t):
+    """bf16 logits up to float32; float64 logits (the truth run) stay float64 (a .float() here made the
+    "float64" loss and every gradient of the truth run pass through float32 rounding)."""
+    import torch
+
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _model_case(task: str):
     """(model, inputs, loss function) of a small real model; parameters float32, seeded."""
     import torch
@@ -279,7 +287,7 @@ def _model_case(task: str):
 
         def loss_fn(model, x):
             logits, _ = model(x)
-            return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].to(x.device).flatten())
+            return F.cross_entropy(_at_least_fp32(logits).flatten(0, 1), tokens[:, 1:].to(x.device).flatten())
 
     else:
         cfg = get_config(
@@ -293,7 +301,7 @@ def _model_case(task: str):
         inputs = (tokens, pad)
 
         def loss_fn(model, x, padding):
-            return F.cross_entropy(model(x, padding).float(), labels.to(x.device))
+            return F.cross_entropy(_at_least_fp32(model(x, padding)), labels.to(x.device))
 
     return build_model(cfg), inputs, loss_fn
 
