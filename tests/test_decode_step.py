@@ -150,7 +150,9 @@ def static_decode_logits(model, tokens, prompt, buckets):
     with torch.no_grad():
         logits, cache = model(tokens[:, :prompt], use_cache=True)
         dec = decode.StaticDecoder(model, cache, buckets=buckets)
-        outs = [logits] + [dec.step(tokens[:, i]).clone().unsqueeze(1) for i in range(prompt, tokens.shape[1])]
+        outs = [logits] + [
+            dec.step(tokens[:, i]).clone().unsqueeze(1) for i in range(prompt, tokens.shape[1])
+        ]
     return torch.cat(outs, 1)
 
 
