@@ -2,7 +2,7 @@
 
     python -m bench.decode_gpu                          # megalodon_7b (32 layers), bf16 decode weights
     python -m bench.decode_gpu --layers 8 --tokens 16   # fewer layers: the same per-layer costs, less memory
-    python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --layers 2   # smoke test (no graphs)
+    python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --compile --threads 1   # CPU: no graphs
 
 Measured in one process, after one prompt (reference kernels, so no Triton compile) of ``--prompt`` tokens:
 
@@ -11,7 +11,8 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
   ``torch.mv`` over a [n, 4096] matrix of min(weights, 4 GiB) (scaled to the weights' bytes);
 - ``eager``: ``model(token, cache)``, the one-token path of ``decode.block_step`` (host launches every op);
 - ``static``: ``decode.StaticDecoder`` without graphs (fixed buffers, masked bucketed attention);
-- ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token.
+- ``static, torch.compile`` (``--compile``): the same step compiled by Inductor (fused elementwise ops);
+- ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token (CUDA only).
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
@@ -103,9 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=24, help="timed tokens per path")
     ap.add_argument("--weights", choices=["bfloat16", "float32", "int8"], default="bfloat16")
+    ap.add_argument(
+        "--compile", action="store_true", help="add the static step compiled by torch.compile (Inductor)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench.decode_gpu: no CUDA device here (use --device cpu for a smoke test)", file=sys.stderr)
         return 2
@@ -114,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     from mega_suite.models import count_parameters, create_model
     from mega_suite.models.megalodon import decode
 
-    overrides = {"vocab_size": 32000} | ({} if args.layers is None else {"num_layers": args.layers})
+    overrides = {} if args.layers is None else {"num_layers": args.layers}
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = create_model(args.preset, device=device, **overrides).eval()
     model.to_decode_dtype(getattr(torch, args.weights))
     n_params = count_parameters(model)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 32000, (1, args.prompt), generator=g).to(device)
-    steps = torch.randint(0, 32000, (3 * args.tokens + 20,), generator=g).to(device)
+    vocab = model.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt), generator=g).to(device)
+    steps = torch.randint(0, vocab, (5 * args.tokens + 30,), generator=g).to(device)
     dispatch.force_reference(True)  # the prompt pass: PyTorch kernels, no Triton autotune compile
     with torch.no_grad():
         _, cache = model(prompt, use_cache=True)
@@ -157,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         print(check, flush=True)
         eager_step()  # the eager cache takes the same token
     paths = [("eager (block_step)", eager_step), ("static, no graph", lambda: static.step(next(it)))]
+    if args.compile:  # the static step has fixed shapes per bucket: one Inductor graph each, no recompiles
+        compiled = decode.StaticDecoder(model, cache, graphs=False)
+        compiled._step = torch.compile(compiled._step, dynamic=False, fullgraph=True)
+        t_c = time.perf_counter()
+        compiled.step(steps[:1])
+        print(f"torch.compile of the static step: {time.perf_counter() - t_c:.0f} s", flush=True)
+        paths.append(("static, torch.compile", lambda: compiled.step(next(it))))
     if graphs is not None:
         paths.append(("CUDA graph (StaticDecoder)", lambda: graphs.step(next(it))))
     for name, fn in paths:
