@@ -82,6 +82,31 @@ def test_a_killed_command_returns_what_it_printed():
     assert rc == 124 and "step 1" in text and "killed after 2 s" in text
 
 
+def test_listops_runs_beside_the_untimed_stages_and_the_timed_ones_run_after(tmp_path, monkeypatch):
+    """The child process's report section lands in the parent's report, in stage order: untimed stages,
+    listops, then the timed ones (which must not share the GPU with training)."""
+    fake = tmp_path / "fake_python"
+    # argv: -m bench.gpu_check --stages listops --out FILE
+    fake.write_text(
+        '#!/bin/sh\nsleep 1\nprintf "# child\\n\\n## listops: PASS (7 s, budget 330 s)\\n\\nloss fell\\n" > "$6"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_check, "_python", lambda: str(fake))
+    order = []
+
+    def stage(name):
+        return lambda: order.append(name) or gpu_check.Outcome(True, name)
+
+    chosen = [(n, 30, stage(n)) for n in ("cuda_tests", "model_step", "kernels", "block")]
+    chosen.insert(4, ("listops", 30, None))
+    out = tmp_path / "r.md"
+    results = gpu_check.run_parallel(chosen, gpu_check.Report(out, "# GPU check\n"), out)
+    assert [r.name for r in results] == ["cuda_tests", "model_step", "listops", "kernels", "block"]
+    assert order == ["cuda_tests", "model_step", "kernels", "block"] and all(r.ok for r in results)
+    text = out.read_text()
+    assert "## listops: PASS (7 s" in text and "loss fell" in text and "## Summary" in text
+
+
 def test_every_stage_exists_and_the_budget_fits_twenty_minutes():
     names = [name for name, _, _ in gpu_check.STAGES]
     assert names == ["cuda_tests", "model_step", "kernels", "block", "listops"]
