@@ -177,6 +177,8 @@ def test_static_decoder_checks_its_inputs_and_the_weights():
             decode.StaticDecoder(model, cache, buckets=9)
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
             decode.StaticDecoder(model, cache, graphs=True)
+        with pytest.raises(ValueError, match="needs a float32"):
+            decode.StaticDecoder(make_lm(chunk_size=8).double(), cache)
         dec = decode.StaticDecoder(model, cache)
         dec.step(tokens[:, 0])
         model.layers[0].mega.wv.weight.add_(1.0)  # an in-place update: the packs are stale

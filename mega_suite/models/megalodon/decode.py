@@ -277,7 +277,7 @@ def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor
 
 
 class StaticDecoder:
-    """Greedy-free one-token decoding with every state in fixed buffers, so that a step has static shapes,
+    """One-token decoding (logits out, no sampling) with every state in fixed buffers, so that a step has static shapes,
     reads no host value and can be captured as a CUDA graph (one launch per token instead of one per op).
 
         dec = StaticDecoder(model, cache)          # cache: the prompt's StreamingCache (model(prompt, use_cache=True))
@@ -298,6 +298,9 @@ class StaticDecoder:
             raise ValueError(
                 "StaticDecoder does not support window_stats caches (per-chunk host bookkeeping)"
             )
+        with torch.no_grad():
+            if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
+                raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
         self.model, self.plan = model, model.decode_plan()
         device = self.plan.final_w1.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
@@ -384,7 +387,7 @@ class StaticDecoder:
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         """tokens [B] (the next token of every row) -> logits [B, V] float32 of the position after them."""
-        if self.model.decode_plan() is not self.plan:
+        if not self.plan.is_current(self.model, *self.model._decode_options):
             raise RuntimeError(
                 "the model's weights changed since this StaticDecoder was built; build a new one"
             )
