@@ -31,7 +31,7 @@ bench: .venv/.synced
 	$(PY) -m bench.cpu_bar
 	$(PY) -m bench.kernels
 
-gpu-check: .venv/.synced  # one H100, <= 20 min: writes bench/GPU_RESULTS.md; exits non-zero without CUDA
+gpu-check: .venv/.synced  # one H100, < 10 min: writes bench/GPU_RESULTS.md; exits non-zero without CUDA
 	$(PY) -m bench.gpu_check $(ARGS)
 
 clean:

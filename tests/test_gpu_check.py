@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu_check
 
@@ -105,6 +106,7 @@ def test_listops_runs_beside_the_untimed_stages_and_the_timed_ones_run_after(tmp
     assert order == ["cuda_tests", "model_step", "kernels", "block"] and all(r.ok for r in results)
     text = out.read_text()
     assert "## listops: PASS (7 s" in text and "loss fell" in text and "## Summary" in text
+    assert not (tmp_path / "r.listops.md").exists()  # merged, then removed
 
 
 def test_every_stage_exists_and_the_budget_fits_twenty_minutes():
@@ -128,6 +130,9 @@ def test_model_step_cases_build_with_valid_configs():
         assert inputs[0].shape == (2, 4096) and callable(loss_fn)
         assert model.cfg.chunk_size == 1024 and model.cfg.num_layers == 2
     assert model.cfg.is_classifier
+    # The float64 truth run keeps float64 through the loss (a .float() on the logits once rounded it).
+    tokens, padding = (t[:, :256] for t in inputs)
+    assert loss_fn(model.double(), tokens, padding).dtype == torch.float64
 
 
 def test_progress_lines_are_parsed_and_plotted(tmp_path):
