@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 
 .venv/.synced: pyproject.toml uv.lock
 	@if [ "$(UV)" = "uv-missing" ]; then python3 -m pip install -q uv; fi
-	uv sync --frozen
+	uv sync --frozen --compile-bytecode  # .pyc at install: imports (every spawned rank) 2x faster where PYTHONDONTWRITEBYTECODE is set
 	@touch $@
 
 setup: .venv/.synced
