@@ -11,7 +11,9 @@ Every path runs on its own copy of the model and its own stream, and the paths t
   bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
 - ``segment``: the full-pass kernels on one token (``MegalodonLM._can_step`` off);
 - the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
-  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``).
+  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``);
+- ``compiled``: the same packs through ``decode.StaticDecoder(model, cache, compile=True)`` (fixed buffers,
+  one Inductor graph per step, compiled once before the rounds).
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -35,12 +37,15 @@ import torch
 
 from bench.common import machine_description, markdown_table, setup_threads
 
-PATHS = [
+PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDecoder(compile=True)``)
     ("fp32 matmul", torch.float32, "matmul", False),
     ("fp32 mkldnn", torch.float32, "mkldnn", False),
     ("bf16 matmul", torch.bfloat16, "matmul", False),
     ("bf16 mkldnn", torch.bfloat16, "mkldnn", False),
     ("int8", torch.int8, "matmul", False),
+    ("fp32 compiled", torch.float32, "matmul", True),
+    ("bf16 compiled", torch.bfloat16, "matmul", True),
+    ("int8 compiled", torch.int8, "matmul", True),
 ]
 
 
@@ -70,6 +75,30 @@ class Stream:
                 return time.perf_counter() - t0
         finally:
             MegalodonLM._can_step = can_step
+
+
+class CompiledStream(Stream):
+    """The same greedy stream through ``decode.StaticDecoder(model, cache, compile=True)``: compiled once
+    (at the first ``restart``), then loaded with each round's prompt cache."""
+
+    decoder = None
+
+    def restart(self) -> None:
+        from mega_suite.models.megalodon import decode
+
+        super().restart()
+        if self.decoder is None:
+            t0 = time.perf_counter()
+            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True)
+            print(f"  torch.compile of the static step: {time.perf_counter() - t0:.0f} s", flush=True)
+        else:
+            self.decoder.load(self.cache)
+        self.token = self.token.view(-1)
+
+    def next(self) -> float:
+        t0 = time.perf_counter()
+        self.token = self.decoder.step(self.token).argmax(-1)
+        return time.perf_counter() - t0
 
 
 def floors(numel: int) -> dict:
@@ -122,6 +151,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--no-compile", action="store_true", help="leave out the compiled paths (compile ~10 s each)"
+    )
     args = ap.parse_args()
     setup_threads(args.threads)
     print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
@@ -136,8 +168,11 @@ def main() -> None:
     mkldnn = decode.mkldnn_available(torch.device("cpu"))
     paths = [p for p in PATHS if p[2] != "mkldnn" or mkldnn]
     streams = {"segment": Stream(base, prompt, segment=True)}
-    for name, dtype, gemv, _ in paths:
-        streams[name] = Stream(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
+    for name, dtype, gemv, compiled in paths:
+        if compiled and args.no_compile:
+            continue
+        kind = CompiledStream if compiled else Stream
+        streams[name] = kind(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
     reads = floors(numel)
     names = list(reads) + list(streams)
     rows = []

@@ -145,25 +145,32 @@ def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
 # ------------------------------------------------------------------ StaticDecoder (the CUDA-graph step)
 
 
-def static_decode_logits(model, tokens, prompt, buckets):
-    """Prompt through the full pass, then ``decode.StaticDecoder`` (no graphs on CPU) one token at a time."""
+def static_decode_logits(model, tokens, prompt, buckets=None, dec=None, **options):
+    """Prompt through the full pass, then ``decode.StaticDecoder`` (no graphs on CPU) one token at a time;
+    ``dec``: an existing decoder, loaded with this prompt's cache."""
     with torch.no_grad():
         logits, cache = model(tokens[:, :prompt], use_cache=True)
-        dec = decode.StaticDecoder(model, cache, buckets=buckets)
+        if dec is None:
+            dec = decode.StaticDecoder(model, cache, buckets=buckets, **options)
+        else:
+            dec.load(cache)
         outs = [logits] + [
             dec.step(tokens[:, i]).clone().unsqueeze(1) for i in range(prompt, tokens.shape[1])
         ]
-    return torch.cat(outs, 1)
+    return torch.cat(outs, 1), dec
 
 
-@pytest.mark.parametrize("prompt, buckets, heads", [(5, 3, 2), (8, 1, 1), (3, 8, 2)])
-def test_static_decoder_equals_float64_full_pass(prompt, buckets, heads):
+@pytest.mark.parametrize(
+    "prompt, buckets, heads, batch", [(5, 3, 2, 2), (8, 1, 1, 2), (3, 8, 2, 2), (5, None, 1, 1)]
+)
+def test_static_decoder_equals_float64_full_pass(prompt, buckets, heads, batch):
     """Fixed KV buffers, a device-side chunk offset and masked attention over bucketed lengths: the same logits
     as the float64 full pass across two chunk boundaries, from a prompt that ends mid-chunk (its keys copied
-    into the buffers), exactly on a boundary, and with one bucket per row."""
+    into the buffers), exactly on a boundary, with one bucket per row, and (batch 1, one head: 2-D GEMV
+    attention) over exactly the rows written."""
     model = make_lm(chunk_size=8, num_heads=heads)
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 22), generator=torch.Generator().manual_seed(3))
-    got = static_decode_logits(model, tokens, prompt, buckets)
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, 22), generator=torch.Generator().manual_seed(3))
+    got, _ = static_decode_logits(model, tokens, prompt, buckets)
     want = float64_logits(model, tokens)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
 
@@ -184,3 +191,36 @@ def test_static_decoder_checks_its_inputs_and_the_weights():
         model.layers[0].mega.wv.weight.add_(1.0)  # an in-place update: the packs are stale
         with pytest.raises(RuntimeError, match="weights changed"):
             dec.step(tokens[:, 1])
+
+
+@pytest.mark.parametrize("batch, heads", [(1, 1), (2, 2)])
+def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads):
+    """``StaticDecoder(compile=True)``: Inductor's fused step (real-arithmetic CEMA and RoPE) gives the float64
+    full pass's logits across two chunk boundaries (offset 0 attends over two rows, one masked), compiled
+    once in the constructor (a recompilation while decoding is an error here), and a second prompt loaded
+    into the same decoder (``load``) decodes its own sequence."""
+    model = make_lm(chunk_size=8, num_heads=heads)
+    gen = torch.Generator().manual_seed(5)
+    first, second = (torch.randint(0, model.cfg.vocab_size, (batch, 21), generator=gen) for _ in range(2))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        dec = decode.StaticDecoder(model, model(first[:, :1], use_cache=True)[1], compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, _ = static_decode_logits(model, first, 5, dec=dec)
+        got2, _ = static_decode_logits(model, second, 8, dec=dec)
+    for tokens, logits in ((first, got), (second, got2)):
+        want = float64_logits(model, tokens)
+        torch.testing.assert_close(logits.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+    with torch.no_grad(), pytest.raises(ValueError, match="batch size"):
+        dec.load(model(first[:, :3].repeat(2, 1), use_cache=True)[1])
+
+
+def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens():
+    model = make_lm(chunk_size=8)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.generate(prompt, 14, greedy=True)  # crosses two chunk boundaries
+        assert torch.equal(model.generate(prompt, 14, greedy=True, static=True), want)
+        assert torch.equal(model.generate(prompt, 14, greedy=True, compile=True), want)
+        with pytest.raises(ValueError, match="window_stats"):
+            model.generate(prompt, 2, static=True, window_stats=True)

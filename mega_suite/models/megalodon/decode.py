@@ -17,8 +17,13 @@ weights older than the model's.
 
 Weights: float32, bfloat16 (activations cast to bf16 at each GEMV, accumulated and returned in float32) or
 int8 weight-only (per-output-row scales, ``aten._weight_int8pack_mm`` with bf16 activations). Kernels for
-float32 / bfloat16: ``matmul`` (x @ Wᵀ with Wᵀ stored contiguous, read row by row) or ``mkldnn`` (oneDNN's
-linear with the weight reordered once, ``mkldnn._linear_pointwise``; CPU only).
+float32 / bfloat16: ``matmul`` (float32: x @ Wᵀ with Wᵀ stored contiguous, read row by row; bfloat16:
+``torch.mv`` over W [O, I] for one row) or ``mkldnn`` (oneDNN's linear with the weight reordered once,
+``mkldnn._linear_pointwise``; CPU only).
+
+``StaticDecoder`` runs the same step on fixed buffers, for CUDA graphs and for ``torch.compile`` (the CEMA
+and RoPE products in real arithmetic there, so that Inductor fuses a block's elementwise ops into a few
+loops): on a 2-core CPU it is the fastest path, 1.5x the fp32 weight-read floor (bench/RESULTS.md §16).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class Gemv:
     """y = x Wᵀ + b (+ add) for x [B, I] float32 -> [B, O] float32, with W stored for one kernel.
 
     ``weight`` [O, I] and ``bias`` [O] (or None) are float32 (already folded); the stored copy is the only
-    one read at decode time.
+    one read at decode time: float32 as Wᵀ [I, O] (``x @ Wᵀ``), bfloat16 as W [O, I] (``torch.mv``, the
+    faster bf16 layout here), int8 as W [O, I] with per-row scales, or oneDNN's reordered blocks.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, kind: str):
@@ -56,6 +62,11 @@ class Gemv:
         elif kind == "mkldnn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), 1)
             self.mk_bias = None if bias is None or dtype != torch.float32 else bias
+        elif dtype == torch.bfloat16:
+            # [O, I], read by torch.mv for one row: bf16 x @ Wᵀ-stored reads 1.3x slower than mv on this
+            # CPU's AVX512-BF16 (bench/RESULTS.md §13, floors "bf16 mv" against "bf16 mv Wᵀ")
+            self.w = weight.to(dtype).contiguous()
+            self.kind = "rows"
         else:
             self.w = weight.t().to(dtype).contiguous()  # [I, O]: one row of W^T per input feature
 
@@ -74,6 +85,8 @@ class Gemv:
             y = torch.ops.aten._weight_int8pack_mm(xl, self.w, self.scale)
         elif self.kind == "mkldnn":
             y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
+        elif self.kind == "rows":
+            y = torch.mv(self.w, xl[0])[None] if xl.shape[0] == 1 else xl @ self.w.t()
         else:
             y = xl @ self.w
         y = y.float()
@@ -98,6 +111,7 @@ class BlockPack:
         p, q, gamma = att.cema.coefficients()
         self.p, self.q = p, q  # [D, N]: p real, q complex
         self.gamma_c = gamma.conj().resolve_conj()  # vecdot(a, h) = Σ conj(a) h, so this gives Σ γ h
+        self.q_ri, self.gamma_ri = torch.view_as_real(q).contiguous(), torch.view_as_real(gamma).contiguous()
         self.omega = att.cema.omega.squeeze(-1).float()
         rms = 1 + att.rmsnorm.weight.float()  # folded into the three GEMVs that read m
         self.rms_eps_t = torch.tensor(att.rmsnorm.eps, device=rms.device)
@@ -110,6 +124,7 @@ class BlockPack:
         self.qk_scale = ((1 + att.gamma.float()) / math.sqrt(zd)).view(2, 1, h, zd)
         self.qk_beta = att.beta.float().view(2, 1, h, zd)
         self.rope = _rope_table(zd, cfg.rope_base, cfg.chunk_size, att.gamma.device)
+        self.rope_ri = torch.view_as_real(self.rope)  # [C, zd/2, 2] (cos, sin)
         ln_w1, ln_b = 1 + ffn.norm.weight.float(), ffn.norm.bias.float()
         w13 = ffn.fc1.weight if ffn.fc3 is None else torch.cat([ffn.fc1.weight, ffn.fc3.weight])
         w13 = w13.float()
@@ -143,7 +158,7 @@ class DecodePlan:
         GEMV's weights start where the last one's ended): 2-4% less time per token than separate
         allocations (fp32, 1 thread, bench/RESULTS.md §9)."""
         order = [g for b in self.blocks for g in (b.gemv_m, b.gemv_v, b.gemv_h2, b.gemv_13, b.gemv_2)]
-        gemvs = [g for g in order + [self.head] if g.kind in ("matmul", "int8pack")]
+        gemvs = [g for g in order + [self.head] if g.kind in ("matmul", "int8pack", "rows")]
         by_dtype = {}
         for g in gemvs:
             by_dtype.setdefault(g.w.dtype, []).append(g)
@@ -218,17 +233,54 @@ def _block_in(pk: BlockPack, x: Tensor, norm_state, cema_state: Tensor | None, r
     bsz, h, zd, z, e = x.shape[0], pk.h, pk.zd, pk.z, pk.e
     x_hat, norm_state = timestep_norm_step(x, norm_state, pk.tn_w1, pk.tn_b, pk.groups, pk.eps)
     px = pk.p * x_hat.unsqueeze(-1)
-    state = px.to(pk.q.dtype) if cema_state is None else torch.addcmul(px, pk.q, cema_state)  # p x + q h
-    cema_out = torch.addcmul(torch.linalg.vecdot(pk.gamma_c, state).real, pk.omega, x_hat)
+    if cema_state is not None and not cema_state.is_complex():  # [B, D, N, 2]: (Re, Im), see below
+        cema_out, state = _cema_real(pk, px, x_hat, cema_state)
+    else:
+        state = px.to(pk.q.dtype) if cema_state is None else torch.addcmul(px, pk.q, cema_state)  # p x + q h
+        cema_out = torch.addcmul(torch.linalg.vecdot(pk.gamma_c, state).real, pk.omega, x_hat)
     m = cema_out * rms_scale(cema_out, pk.rms_eps_t, pk.d)  # (1 + w) is in the m-pack's weights
     zrh = pk.gemv_m(m)  # [B, Z + E + D]: z, r, and m W_h1 + b_h1
     zh = zrh[:, :z].view(bsz, h, zd)
     qk = torch.addcmul(pk.qk_beta, zh, rms_scale(zh, pk.eps_t, zd) * pk.qk_scale)  # [2, B, h, zd]
-    qk = torch.view_as_real(torch.view_as_complex(qk.view(2, bsz, h, zd // 2, 2)) * rope_row)
+    qk = qk.view(2, bsz, h, zd // 2, 2)
+    if rope_row.is_complex():
+        qk = torch.view_as_real(torch.view_as_complex(qk) * rope_row)
+    else:  # (a + ib)(c + is) on (Re, Im) pairs
+        a, b = qk.unbind(-1)
+        c, s = rope_row.unbind(-1)
+        qk = torch.stack((a * c - b * s, a * s + b * c), -1)
     qk = qk.view(2, bsz, 1, h, zd)
     v = F.silu(pk.gemv_v(x_hat)).view(bsz, 1, h, e // h)
     r = F.silu(zrh[:, z : z + e])
     return qk[0], qk[1], v, r, zrh[:, z + e :], norm_state, state
+
+
+def _cema_real(pk: BlockPack, px: Tensor, x_hat: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """The CEMA step h' = p x + q h, y = Re(Σ_n γ_n h'_n) + ω x in real arithmetic on (Re, Im) pairs
+    [B, D, N, 2] (compilers without complex support fuse it): with q = a + ib, γ = c + id,
+    Re h' = p x + a Re h − b Im h, Im h' = a Im h + b Re h, Re(γ h') = c Re h' − d Im h'."""
+    hr, hi = state.unbind(-1)
+    a, b = pk.q_ri.unbind(-1)
+    new_r = px + a * hr - b * hi
+    new_i = a * hi + b * hr
+    c, d = pk.gamma_ri.unbind(-1)
+    y = (c * new_r - d * new_i).sum(-1) + pk.omega * x_hat
+    return y, torch.stack((new_r, new_i), -1)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q kᵀ) v of one query per row: q [B, 1, h, zd] (scaled), keys [B, n, h, zd], values
+    [B, n, h, E/h], ``mask`` [n] bool (True = a row not yet written: −inf) or None -> [B, h, 1, E/h] float32."""
+    bsz, n, h, zd = keys.shape
+    if bsz * h == 1:  # 2-D GEMVs: torch.compile keeps them BLAS calls, a one-row bmm it lowers to a loop
+        scores = q.reshape(1, zd) @ keys.reshape(n, zd).t()
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        return (torch.softmax(scores, -1) @ values.reshape(n, -1)).float().view(1, 1, 1, -1)
+    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()
 
 
 def _block_out(
@@ -237,10 +289,7 @@ def _block_out(
     """The second half: softmax(q kᵀ) v over the chunk's keys [B, n, h, zd] (``mask`` [n] True = not yet
     written, or None), the gate, the W_h2 GEMV onto m W_h1 + b_h1, the residual, then the FFN."""
     bsz = x.shape[0]
-    scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1))  # [B, h, 1, n]
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    o = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2)).float()  # [B, h, 1, E/h]
+    o = attend(q, keys, values, mask)  # [B, h, 1, E/h]
     y = pk.gemv_h2((o.view(bsz, pk.e) * r), add=h1).add_(x)  # H + X
     u = F.layer_norm(y, (pk.d,), None, None, pk.ln_eps)
     g = pk.gemv_13(u)
@@ -277,27 +326,30 @@ def _rope_table(d: int, base: float, chunk: int, device: torch.device) -> Tensor
 
 
 class StaticDecoder:
-    """One-token decoding (logits out, no sampling) with every state in fixed buffers, so that a step has static shapes,
-    reads no host value and can be captured as a CUDA graph (one launch per token instead of one per op).
+    """One-token decoding (logits out, no sampling) with every state in fixed buffers, so that a step has
+    static shapes, reads no host value and can be captured as a CUDA graph (one launch per token instead of
+    one per op) or compiled by torch.compile into a few fused loops.
 
         dec = StaticDecoder(model, cache)          # cache: the prompt's StreamingCache (model(prompt, use_cache=True))
         logits = dec.step(tokens)                  # tokens [B] -> logits [B, V] float32 (a buffer: clone to keep)
+        dec.load(other_cache)                      # another prompt, same batch size: graphs / compiled code kept
 
-    The step is ``block_step``'s arithmetic (shared code) with three changes that keep shapes fixed: the chunk
-    offset t = pos mod C is a device tensor (RoPE row and KV write index read from it); the new key / value are
+    The step is ``block_step``'s arithmetic (shared code) with four changes that keep shapes fixed: the CEMA
+    state is (Re, Im) pairs [B, D, N, 2] and the CEMA and RoPE products real arithmetic; the chunk offset
+    t = pos mod C is a device tensor (RoPE row and KV write index read from it); the new key / value are
     written into [B, C, ...] buffers at row t; attention runs over the first ``end`` rows of those buffers,
     where ``end`` is the smallest of ``buckets`` equal steps of C that covers t + 1, rows > t masked (−inf).
-    So a step reads at most C/buckets rows more than the eager one. One graph is captured per bucket (sharing
-    one memory pool) the first time it is needed, when ``graphs`` (default: on CUDA). The model's weights are
-    read through its decode plan (``model.to_decode_dtype``); the plan must not change while a decoder lives
-    (``step`` checks, as the eager path does).
+    ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
+    sharing one memory pool; a step reads at most C/8 rows more than the eager one) and to C otherwise (exactly
+    t + 1 rows). ``compile``: the step through torch.compile, compiled in the constructor (see ``_compile``).
+    The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
+    while a decoder lives (``step`` checks, as the eager path does).
     """
 
-    def __init__(self, model: nn.Module, cache, buckets: int = 8, graphs: bool | None = None):
-        if cache.window_stats:
-            raise ValueError(
-                "StaticDecoder does not support window_stats caches (per-chunk host bookkeeping)"
-            )
+    def __init__(
+        self, model: nn.Module, cache, buckets: int | None = None, graphs: bool | None = None,
+        compile: bool = False,
+    ):  # fmt: skip
         with torch.no_grad():
             if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
                 raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
@@ -307,32 +359,60 @@ class StaticDecoder:
         if self.graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model; this one is on {device}")
         self.chunk = model.cfg.chunk_size
+        if buckets is None:  # a graph per bucket on CUDA; without graphs, attend over exactly t + 1 rows
+            buckets = min(8, self.chunk) if self.graphs else self.chunk
         if not 1 <= buckets <= self.chunk:
             raise ValueError(f"buckets must be in [1, chunk_size={self.chunk}], got {buckets}")
         self.ends = sorted({-(-self.chunk * (i + 1) // buckets) for i in range(buckets)})
-        self.position = cache.position
-        bsz = cache.final_norm[0].shape[0]
+        self.batch = bsz = cache.final_norm[0].shape[0]
         self.tokens = torch.zeros(bsz, dtype=torch.long, device=device)
         self.pos_t = torch.zeros((), dtype=torch.long, device=device)
         self.rows = torch.arange(self.chunk, device=device)
         self.layers = []
         for pk, lc in zip(self.plan.blocks, cache.layers):
-            norm = tuple(t.clone() for t in lc.norm)
-            cema = (
-                lc.cema.clone()
-                if lc.cema is not None
-                else torch.zeros_like(pk.p, dtype=pk.q.dtype).expand(bsz, -1, -1).clone()
-            )
+            norm = tuple(torch.empty_like(t) for t in lc.norm)
+            # The CEMA state as (Re, Im) pairs [B, D, N, 2]: real arithmetic throughout (``_cema_real``)
+            cema = pk.q_ri.new_zeros(bsz, *pk.q_ri.shape)
             kdt = lc.kv.k_buf.dtype if lc.kv is not None else torch.float32
             k_buf = torch.zeros(bsz, self.chunk, pk.h, pk.zd, dtype=kdt, device=device)
             v_buf = torch.zeros(bsz, self.chunk, pk.h, pk.e // pk.h, dtype=kdt, device=device)
+            self.layers.append((norm, cema, k_buf, v_buf))
+        self.final_norm = tuple(torch.empty_like(t) for t in cache.final_norm)
+        self.load(cache)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # end -> (graph, its logits)
+        self._pool = None
+        self.compiled = compile
+        if compile:
+            if self.chunk < 2:
+                raise ValueError("compile=True needs chunk_size >= 2")
+            self.ends = sorted({max(e, 2) for e in self.ends})
+            self._step = self._compile()
+        else:
+            self._step = lambda end: self._step_rows(self.rows[:end])
+
+    def load(self, cache) -> StaticDecoder:
+        """Continue from ``cache`` (another prompt's, same batch size): its state is copied into the fixed
+        buffers, so the compiled step and the captured graphs are kept."""
+        if cache.window_stats:
+            raise ValueError(
+                "StaticDecoder does not support window_stats caches (per-chunk host bookkeeping)"
+            )
+        bsz = cache.final_norm[0].shape[0]
+        if bsz != self.batch:
+            raise ValueError(f"this decoder holds batch size {self.batch}; the cache has {bsz}")
+        self.position = cache.position
+        for (norm, cema, k_buf, v_buf), lc in zip(self.layers, cache.layers):
+            for buf, t in zip(norm, lc.norm):
+                buf.copy_(t)
+            cema.zero_() if lc.cema is None else cema.copy_(torch.view_as_real(lc.cema))
+            k_buf.zero_()
+            v_buf.zero_()
             if lc.kv is not None:
                 n = lc.kv.length
                 k_buf[:, :n], v_buf[:, :n] = lc.kv.keys, lc.kv.values
-            self.layers.append((norm, cema, k_buf, v_buf))
-        self.final_norm = tuple(t.clone() for t in cache.final_norm)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # end -> (graph, its logits)
-        self._pool = None
+        for buf, t in zip(self.final_norm, cache.final_norm):
+            buf.copy_(t)
+        return self
 
     def _buffers(self) -> list[Tensor]:
         out = [self.pos_t, *self.final_norm]
@@ -341,22 +421,25 @@ class StaticDecoder:
         return out
 
     @torch.no_grad()
-    def _step(self, end: int) -> Tensor:
-        """One token from ``self.tokens`` at ``self.pos_t``; updates every state buffer in place."""
+    def _step_rows(self, rows: Tensor) -> Tensor:
+        """One token from ``self.tokens`` at ``self.pos_t``, attending over ``rows`` = [0, end) of the chunk's
+        key / value buffers; updates every state buffer in place."""
+        end = rows.shape[0]
         offset = torch.remainder(self.pos_t, self.chunk).view(1)
-        mask = self.rows[:end] > offset  # rows not yet written in this chunk
+        mask = rows > offset  # rows not yet written in this chunk
         with torch.autocast(self.tokens.device.type, enabled=False):
             x = self.model.embed_tokens(self.tokens).float()
             for pk, (norm, cema, k_buf, v_buf) in zip(self.plan.blocks, self.layers):
                 q, k, v, r, h1, new_norm, new_cema = _block_in(
-                    pk, x, norm, cema, pk.rope.index_select(0, offset)
+                    pk, x, norm, cema, pk.rope_ri.index_select(0, offset)
                 )
                 for buf, new in zip(norm, new_norm):
                     buf.copy_(new)
                 cema.copy_(new_cema)
                 k_buf.index_copy_(1, offset, k.to(k_buf.dtype))
                 v_buf.index_copy_(1, offset, v.to(v_buf.dtype))
-                x = _block_out(pk, x, q.to(k_buf.dtype), k_buf[:, :end], v_buf[:, :end], mask, r, h1)
+                keys, values = k_buf[:, :end], v_buf[:, :end]
+                x = _block_out(pk, x, q.to(k_buf.dtype), keys, values, mask, r, h1)
             plan = self.plan
             y, final = timestep_norm_step(
                 x, self.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
@@ -364,6 +447,29 @@ class StaticDecoder:
             for buf, new in zip(self.final_norm, final):
                 buf.copy_(new)
             return plan.head(y)
+
+    def _compile(self):
+        """torch.compile of ``_step_rows``: Inductor fuses the elementwise ops of a block into a few C++ loops
+        (the CEMA and RoPE products are real arithmetic so that it can), the GEMVs stay BLAS calls. Compiled
+        here, on saved-and-restored state, with the attended length dynamic (at least 2: Dynamo specialises
+        a length of 1, so offset 0 attends over two rows, the second masked), so that the decoding loop never
+        recompiles: one graph, or two where the batched attention's reshapes specialise the full chunk
+        (warmed up on a middle length and on C). Every call enters the same grad / autocast state (a guard)."""
+        compiled = torch.compile(self._step_rows, fullgraph=True)
+        device = self.rows.device.type
+
+        def run(end: int) -> Tensor:  # the same global state (grad mode, autocast) at every call
+            rows = self.rows[:end]
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                return compiled(rows)
+
+        saved = [t.clone() for t in self._buffers()]
+        for end in sorted({self.ends[len(self.ends) // 2], self.ends[-1]}):
+            run(end)
+        for t, s in zip(self._buffers(), saved):
+            t.copy_(s)
+        return run
 
     def _capture(self, end: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         """Warm up (cuBLAS handles, allocator) on a side stream with the state saved and restored, then

@@ -778,17 +778,36 @@ class MegalodonLM(Backbone):
         eos_id: int | None = None,
         window_stats: bool = False,
         generator: torch.Generator | None = None,
+        static: bool = False,
+        compile: bool = False,
     ) -> Tensor:
         """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens with the streaming cache.
 
-        Memory is bounded by the chunk size, not the context length. Returns [B, L + new].
+        Memory is bounded by the chunk size, not the context length. Returns [B, L + new]. ``static``:
+        decode through ``decode.StaticDecoder`` (fixed buffers; a CUDA graph per step on a GPU);
+        ``compile``: the same, its step compiled by torch.compile first (the fastest CPU path, about 10 s
+        of compile; bench/RESULTS.md §16). Both need no autograd and a float32 model.
         """
         from mega_suite.generation import sample_next
 
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise ValueError(f"prompt must be a non-empty [B, L] tensor, got shape {tuple(prompt.shape)}")
+        if (static or compile) and window_stats:
+            raise ValueError("static / compiled decoding does not support window_stats")
         cache = self.new_cache(prompt.shape[0], window_stats)
         logits, cache = self(prompt, cache)
+        if static or compile:
+            dec = decode.StaticDecoder(self, cache, compile=compile)
+
+            def advance(tokens: Tensor) -> Tensor:
+                return dec.step(tokens).unsqueeze(1)
+        else:
+
+            def advance(tokens: Tensor) -> Tensor:
+                nonlocal cache
+                logits, cache = self(tokens[:, None], cache)
+                return logits
+
         out = [prompt]
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
@@ -799,7 +818,7 @@ class MegalodonLM(Backbone):
             out.append(nxt[:, None])
             if eos_id is not None and bool(finished.all()):
                 break
-            logits, cache = self(nxt[:, None], cache)
+            logits = advance(nxt)
         return torch.cat(out, 1)
 
 
