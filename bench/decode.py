@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
-        "--no-compile", action="store_true", help="leave out the compiled paths (compile ~10 s each)"
+        "--no-compile", action="store_true", help="leave out the compiled paths (compile 10-15 s each)"
     )
     args = ap.parse_args()
     setup_threads(args.threads)

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             logits, cache = model(next(it).view(1, 1), cache)
         return logits
 
-    static = decode.StaticDecoder(model, cache, graphs=False)
+    static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
     graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
     # Same token, same state: the graph's logits against the eager path's (before either advances).
     check = ""

@@ -71,14 +71,16 @@ def test_window_stats_decode_equals_segment_path(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dtype, gemv, tol",
-    [(torch.bfloat16, g, 0.03) for g in GEMVS] + [(torch.int8, "matmul", 0.05)],
+    "dtype, gemv, tol, batch",
+    [(torch.bfloat16, g, 0.03, 2) for g in GEMVS]
+    + [(torch.bfloat16, "matmul", 0.03, 1), (torch.int8, "matmul", 0.05, 2)],
 )
-def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol):
+def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol, batch):
     """bf16 (8 mantissa bits) and int8 (per-row scale / 127) weights: the logits within a few percent of
-    the float64 pass's largest logit; the parameters are not touched, and float32 again is exact."""
+    the float64 pass's largest logit (batch 1: bf16's torch.mv branch); the parameters are not touched,
+    and float32 again is exact."""
     model = make_lm()
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(3))
     ref = decode_logits(model, tokens, prompt=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     got = decode_logits(model.to_decode_dtype(dtype, gemv), tokens, prompt=2)
@@ -193,18 +195,26 @@ def test_static_decoder_checks_its_inputs_and_the_weights():
             dec.step(tokens[:, 1])
 
 
-@pytest.mark.parametrize("batch, heads", [(1, 1), (2, 2)])
-def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads):
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("batch, heads, buckets", [(1, 1, None), (2, 2, None), (2, 2, 2)])
+def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads, buckets, fresh_dynamo):
     """``StaticDecoder(compile=True)``: Inductor's fused step (real-arithmetic CEMA and RoPE) gives the float64
     full pass's logits across two chunk boundaries (offset 0 attends over two rows, one masked), compiled
-    once in the constructor (a recompilation while decoding is an error here), and a second prompt loaded
-    into the same decoder (``load``) decodes its own sequence."""
+    in the constructor only (a recompilation while decoding is an error here; with two buckets it failed
+    when the warm-up took C alone), and a second prompt loaded into the same decoder (``load``) decodes
+    its own sequence."""
     model = make_lm(chunk_size=8, num_heads=heads)
     gen = torch.Generator().manual_seed(5)
     first, second = (torch.randint(0, model.cfg.vocab_size, (batch, 21), generator=gen) for _ in range(2))
-    torch._dynamo.reset()
     with torch.no_grad():
-        dec = decode.StaticDecoder(model, model(first[:, :1], use_cache=True)[1], compile=True)
+        cache = model(first[:, :1], use_cache=True)[1]
+        dec = decode.StaticDecoder(model, cache, buckets=buckets, compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got, _ = static_decode_logits(model, first, 5, dec=dec)
         got2, _ = static_decode_logits(model, second, 8, dec=dec)
@@ -213,6 +223,24 @@ def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads):
         torch.testing.assert_close(logits.double(), want, rtol=0, atol=2e-6 * want.abs().max())
     with torch.no_grad(), pytest.raises(ValueError, match="batch size"):
         dec.load(model(first[:, :3].repeat(2, 1), use_cache=True)[1])
+
+
+def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
+    """A second decoder in the same process (another model, bf16 weights: other shapes and ops) compiles its
+    own graph rather than recompiling the first one's (Dynamo caches per code object: shared, the second
+    compile is a recompilation and made the first's weight shapes symbolic); its bf16 logits are within
+    bf16 rounding of the float64 pass."""
+    tokens = torch.randint(0, 13, (1, 14), generator=torch.Generator().manual_seed(7))
+    first = make_lm(chunk_size=8)
+    with torch.no_grad():
+        decode.StaticDecoder(first, first(tokens[:, :3], use_cache=True)[1], compile=True)
+    model = make_lm(seed=1, chunk_size=8, model_dim=24, num_heads=1).to_decode_dtype(torch.bfloat16)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        logits, cache = model(tokens[:, :3], use_cache=True)
+        dec = decode.StaticDecoder(model, cache, compile=True)
+        got = torch.cat([logits] + [dec.step(tokens[:, i]).clone()[:, None] for i in range(3, 14)], 1)
+    want = float64_logits(model, tokens).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
 def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens():

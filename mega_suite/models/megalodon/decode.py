@@ -23,13 +23,14 @@ float32 / bfloat16: ``matmul`` (float32: x @ Wᵀ with Wᵀ stored contiguous, r
 
 ``StaticDecoder`` runs the same step on fixed buffers, for CUDA graphs and for ``torch.compile`` (the CEMA
 and RoPE products in real arithmetic there, so that Inductor fuses a block's elementwise ops into a few
-loops): on a 2-core CPU it is the fastest path, 1.5x the fp32 weight-read floor (bench/RESULTS.md §16).
+loops): on a 2-core CPU it is the fastest path, 1.4-1.6x the fp32 weight-read floor (bench/RESULTS.md §16).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 import torch.nn.functional as F
@@ -85,10 +86,8 @@ class Gemv:
             y = torch.ops.aten._weight_int8pack_mm(xl, self.w, self.scale)
         elif self.kind == "mkldnn":
             y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
-        elif self.kind == "rows":
+        else:  # "rows": W [O, I]
             y = torch.mv(self.w, xl[0])[None] if xl.shape[0] == 1 else xl @ self.w.t()
-        else:
-            y = xl @ self.w
         y = y.float()
         if bias is not None:
             y = y.add_(bias)
@@ -228,7 +227,9 @@ def rms_scale(x: Tensor, eps_t: Tensor, n: int) -> Tensor:
 
 def _block_in(pk: BlockPack, x: Tensor, norm_state, cema_state: Tensor | None, rope_row: Tensor):
     """The first half of a block's step, up to the new token's q, k, v: SPEC §2-§4 with the folded packs.
-    ``rope_row`` [..., zd/2] complex is the RoPE rotation of the token's chunk offset. Returns
+    ``rope_row`` is the RoPE rotation of the token's chunk offset, [..., zd/2] complex or (cos, sin) pairs
+    [..., zd/2, 2]; ``cema_state`` [B, D, N] complex, (Re, Im) pairs [B, D, N, 2] (real arithmetic,
+    ``_cema_real``; the new state comes back in the same form) or None (zeros). Returns
     (q, k [B, 1, h, zd], v [B, 1, h, E/h], r [B, E], m W_h1 + b_h1 [B, D], norm state, CEMA state)."""
     bsz, h, zd, z, e = x.shape[0], pk.h, pk.zd, pk.z, pk.e
     x_hat, norm_state = timestep_norm_step(x, norm_state, pk.tn_w1, pk.tn_b, pk.groups, pk.eps)
@@ -381,7 +382,6 @@ class StaticDecoder:
         self.load(cache)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # end -> (graph, its logits)
         self._pool = None
-        self.compiled = compile
         if compile:
             if self.chunk < 2:
                 raise ValueError("compile=True needs chunk_size >= 2")
@@ -400,6 +400,15 @@ class StaticDecoder:
         bsz = cache.final_norm[0].shape[0]
         if bsz != self.batch:
             raise ValueError(f"this decoder holds batch size {self.batch}; the cache has {bsz}")
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(
+                f"this decoder holds {len(self.layers)} layers; the cache has {len(cache.layers)}"
+            )
+        kdt = self.layers[0][2].dtype
+        if any(lc.kv is not None and lc.kv.k_buf.dtype != kdt for lc in cache.layers):
+            raise ValueError(
+                f"this decoder keeps keys / values in {kdt}; the cache's differ (build a new one)"
+            )
         self.position = cache.position
         for (norm, cema, k_buf, v_buf), lc in zip(self.layers, cache.layers):
             for buf, t in zip(norm, lc.norm):
@@ -420,10 +429,9 @@ class StaticDecoder:
             out += [*norm, cema, k_buf, v_buf]
         return out
 
-    @torch.no_grad()
     def _step_rows(self, rows: Tensor) -> Tensor:
         """One token from ``self.tokens`` at ``self.pos_t``, attending over ``rows`` = [0, end) of the chunk's
-        key / value buffers; updates every state buffer in place."""
+        key / value buffers; updates every state buffer in place. Called without autograd (``step``)."""
         end = rows.shape[0]
         offset = torch.remainder(self.pos_t, self.chunk).view(1)
         mask = rows > offset  # rows not yet written in this chunk
@@ -454,8 +462,13 @@ class StaticDecoder:
         here, on saved-and-restored state, with the attended length dynamic (at least 2: Dynamo specialises
         a length of 1, so offset 0 attends over two rows, the second masked), so that the decoding loop never
         recompiles: one graph, or two where the batched attention's reshapes specialise the full chunk
-        (warmed up on a middle length and on C). Every call enters the same grad / autocast state (a guard)."""
-        compiled = torch.compile(self._step_rows, fullgraph=True)
+        (warmed up on a middle length below C and on C). Every call enters the same grad / autocast state
+        (a guard)."""
+        # Dynamo keeps compiled graphs per code object: a copy of the step's code per decoder gives each
+        # decoder its own cache (static weight shapes, one guard set to check, no shared recompile limit).
+        fn = StaticDecoder._step_rows
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+        compiled = torch.compile(types.MethodType(own, self), fullgraph=True)
         device = self.rows.device.type
 
         def run(end: int) -> Tensor:  # the same global state (grad mode, autocast) at every call
@@ -465,7 +478,8 @@ class StaticDecoder:
                 return compiled(rows)
 
         saved = [t.clone() for t in self._buffers()]
-        for end in sorted({self.ends[len(self.ends) // 2], self.ends[-1]}):
+        below = [e for e in self.ends if e < self.chunk]
+        for end in below[len(below) // 2 :][:1] + [self.chunk]:
             run(end)
         for t, s in zip(self._buffers(), saved):
             t.copy_(s)
