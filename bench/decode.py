@@ -4,7 +4,9 @@
     python -m bench.decode --threads 1 --rounds 3 --tokens 60 --profile
 
 Every path runs on its own copy of the model and its own stream, and the paths take turns token by token
-(round robin, the floors included), so a load spike on a shared machine hits all of them alike. Paths:
+(round robin, the floors included), so a load spike on a shared machine hits all of them alike; the caches
+are then cold at every token. ``--order blocks`` has each path decode its tokens back to back instead, as
+``generate`` does. Paths:
 
 - floors: one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix holding as many weights as the model
   (``bench.common.weight_read_floor``'s matrix), row-major (``mv``) and column-major (``mv Wᵀ``: the same
@@ -152,6 +154,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
+        "--order", choices=("round-robin", "blocks"), default="round-robin",
+        help="paths take turns token by token (a load spike hits all alike; caches cold at every token) or "
+        "decode --tokens tokens each, one path after the other (caches as warm as in generate())",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-compile", action="store_true", help="leave out the compiled paths (compile 10-15 s each)"
     )
     args = ap.parse_args()
@@ -184,7 +191,14 @@ def main() -> None:
                 s.next()
         for f in reads.values():
             f()
-        for i in range(args.tokens):
+        if args.order == "blocks":  # each path decodes its tokens back to back, as generate() does
+            for name, f in reads.items():
+                times[name] += [timed(f) for _ in range(args.tokens)]
+            for name, s in streams.items():
+                times[name] += [
+                    s.next() for _ in range(args.tokens // 4 if name == "segment" else args.tokens)
+                ]
+        for i in range(args.tokens if args.order == "round-robin" else 0):
             for name, f in reads.items():
                 times[name].append(timed(f))
             for name, s in streams.items():
@@ -196,7 +210,7 @@ def main() -> None:
         print("  " + " | ".join(rows[-1]), flush=True)
     print(
         f"\nGreedy decode, batch 1, prompt {args.prompt}, {args.threads} threads, median ms per token over "
-        f"{args.tokens} tokens per round (segment path: {args.tokens // 4}), round robin; in brackets: "
+        f"{args.tokens} tokens per round (segment path: {args.tokens // 4}), {args.order}; in brackets: "
         "/ the fp32 mv floor of the same round:\n"
     )
     print(markdown_table(["round"] + names, rows))

@@ -463,7 +463,10 @@ class StaticDecoder:
         a length of 1, so offset 0 attends over two rows, the second masked), so that the decoding loop never
         recompiles: one graph, or two where the batched attention's reshapes specialise the full chunk
         (warmed up on a middle length below C and on C). Every call enters the same grad / autocast state
-        (a guard)."""
+        (a guard). After the warm-up, calls skip Dynamo's guard evaluation except what tells its graphs
+        apart (``skip_guard_eval_unsafe``: 0.1 ms, 5% of a bf16 step on 2 cores). That is safe here
+        because a graph reads only this decoder's own buffers, never replaced or reshaped, and the plan's
+        tensors, whose staleness ``step`` checks before every call."""
         # Dynamo keeps compiled graphs per code object: a copy of the step's code per decoder gives each
         # decoder its own cache (static weight shapes, one guard set to check, no shared recompile limit).
         fn = StaticDecoder._step_rows
@@ -471,11 +474,14 @@ class StaticDecoder:
         compiled = torch.compile(types.MethodType(own, self), fullgraph=True)
         device = self.rows.device.type
 
+        warm = False
+
         def run(end: int) -> Tensor:  # the same global state (grad mode, autocast) at every call
             rows = self.rows[:end]
             torch._dynamo.maybe_mark_dynamic(rows, 0)
             with torch.no_grad(), torch.autocast(device, enabled=False):
-                return compiled(rows)
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=warm):
+                    return compiled(rows)
 
         saved = [t.clone() for t in self._buffers()]
         below = [e for e in self.ends if e < self.chunk]
@@ -483,6 +489,7 @@ class StaticDecoder:
             run(end)
         for t, s in zip(self._buffers(), saved):
             t.copy_(s)
+        warm = True
         return run
 
     def _capture(self, end: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
