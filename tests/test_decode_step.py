@@ -243,12 +243,20 @@ def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
-def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens():
+def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fresh_dynamo):
+    """Also under ``torch.inference_mode`` (buffers built there stay normal tensors, and the compiled step
+    sees one global state: stepping outside inference mode afterwards neither fails nor recompiles)."""
     model = make_lm(chunk_size=8)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         want = model.generate(prompt, 14, greedy=True)  # crosses two chunk boundaries
         assert torch.equal(model.generate(prompt, 14, greedy=True, static=True), want)
+    with torch.inference_mode():
         assert torch.equal(model.generate(prompt, 14, greedy=True, compile=True), want)
-        with pytest.raises(ValueError, match="window_stats"):
-            model.generate(prompt, 2, static=True, window_stats=True)
+        _, cache = model(prompt, use_cache=True)
+        dec = decode.StaticDecoder(model, cache, compile=True)
+        first = dec.step(want[:, 5]).argmax(-1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(torch.stack([first, dec.step(want[:, 6]).argmax(-1)], 1), want[:, 6:8])
+    with torch.no_grad(), pytest.raises(ValueError, match="window_stats"):
+        model.generate(prompt, 2, static=True, window_stats=True)

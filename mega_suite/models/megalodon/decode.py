@@ -347,13 +347,14 @@ class StaticDecoder:
     while a decoder lives (``step`` checks, as the eager path does).
     """
 
+    @torch.inference_mode(False)  # buffers are normal tensors, updatable in and out of inference
+    @torch.no_grad()
     def __init__(
         self, model: nn.Module, cache, buckets: int | None = None, graphs: bool | None = None,
         compile: bool = False,
     ):  # fmt: skip
-        with torch.no_grad():
-            if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
-                raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
+        if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
+            raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
         self.model, self.plan = model, model.decode_plan()
         device = self.plan.final_w1.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
@@ -390,6 +391,8 @@ class StaticDecoder:
         else:
             self._step = lambda end: self._step_rows(self.rows[:end])
 
+    @torch.inference_mode(False)
+    @torch.no_grad()
     def load(self, cache) -> StaticDecoder:
         """Continue from ``cache`` (another prompt's, same batch size): its state is copied into the fixed
         buffers, so the compiled step and the captured graphs are kept."""
@@ -511,6 +514,7 @@ class StaticDecoder:
         self._pool = graph.pool()
         return graph, logits
 
+    @torch.inference_mode(False)  # one global state for the compiled step, whatever the caller's
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         """tokens [B] (the next token of every row) -> logits [B, V] float32 of the position after them."""
