@@ -786,7 +786,7 @@ class MegalodonLM(Backbone):
         Memory is bounded by the chunk size, not the context length. Returns [B, L + new]. ``static``:
         decode through ``decode.StaticDecoder`` (fixed buffers; a CUDA graph per step on a GPU);
         ``compile``: the same, its step compiled by torch.compile first (the fastest CPU path, 10-15 s
-        of compile; bench/RESULTS.md §16). Both need no autograd and a float32 model.
+        of compile; bench/RESULTS.md §16). Both need a float32, unsharded, non-adaptive model.
         """
         from mega_suite.generation import sample_next
 
