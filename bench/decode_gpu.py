@@ -12,7 +12,8 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
 - ``eager``: ``model(token, cache)``, the one-token path of ``decode.block_step`` (host launches every op);
 - ``static``: ``decode.StaticDecoder`` without graphs (fixed buffers, masked bucketed attention);
 - ``static, torch.compile`` (``--compile``): the same step compiled by Inductor (fused elementwise ops);
-- ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token (CUDA only).
+- ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token (CUDA only); with ``--compile`` also
+  the graph of the compiled step (``StaticDecoder(compile=True)`` on CUDA: Inductor's kernels, captured).
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(("static, torch.compile", lambda: compiled.step(next(it))))
     if graphs is not None:
         paths.append(("CUDA graph (StaticDecoder)", lambda: graphs.step(next(it))))
+        if args.compile:  # Inductor's fused kernels, captured: fewer kernels per graph
+            compiled_graphs = decode.StaticDecoder(model, cache, compile=True)
+            paths.append(("CUDA graph of the compiled step", lambda: compiled_graphs.step(next(it))))
     for name, fn in paths:
         ms = time_ms(fn, device, args.tokens)
         kernels, launches = count_launches(fn, device)
