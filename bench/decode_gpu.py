@@ -175,6 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(("CUDA graph (StaticDecoder)", lambda: graphs.step(next(it))))
         if args.compile:  # Inductor's fused kernels, captured: fewer kernels per graph
             compiled_graphs = decode.StaticDecoder(model, cache, compile=True)
+            with torch.no_grad():
+                want, _ = model(steps[:1].view(1, 1), cache)
+            saved = [t.clone() for t in compiled_graphs._buffers()]
+            got = compiled_graphs.step(steps[:1]).clone()
+            for t, s in zip(compiled_graphs._buffers(), saved):  # back to the prompt's state
+                t.copy_(s)
+            compiled_graphs.position -= 1
+            err = float((got - want[:, 0]).abs().max() / want.abs().max())
+            check += (
+                f"\ncompiled graph vs eager logits, same token and cache: max|diff| / max|eager| = {err:.1e}"
+            )
+            print(check, flush=True)
             paths.append(("CUDA graph of the compiled step", lambda: compiled_graphs.step(next(it))))
     for name, fn in paths:
         ms = time_ms(fn, device, args.tokens)

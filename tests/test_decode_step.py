@@ -260,3 +260,26 @@ def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fre
         assert torch.equal(torch.stack([first, dec.step(want[:, 6]).argmax(-1)], 1), want[:, 6:8])
     with torch.no_grad(), pytest.raises(ValueError, match="window_stats"):
         model.generate(prompt, 2, static=True, window_stats=True)
+
+
+def _decoder_matches_float64(device: str, compile: bool) -> None:
+    model = make_lm(chunk_size=8, num_heads=1).to(device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
+    got, _ = static_decode_logits(model, tokens.to(device), 5, compile=compile)  # CUDA: graphs, 8 buckets
+    want = float64_logits(model.cpu(), tokens)  # the float64 truth from the CPU reference kernels
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5 * want.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decoder_equals_float64_full_pass():
+    """On a GPU (``make gpu-check`` runs the ``gpu`` marker): one CUDA-graph replay per token gives the float64
+    full pass's logits across two chunk boundaries. (The compiled step's graphs are checked against the eager
+    step by ``python -m bench.decode_gpu --compile``: an Inductor compile would not fit the stage's budget.)"""
+    _decoder_matches_float64("cuda", False)
+
+
+def test_the_gpu_check_helper_on_cpu(fresh_dynamo):
+    """The helper the GPU test runs, here on the CPU (no graphs), eager and compiled: it can pass."""
+    _decoder_matches_float64("cpu", False)
+    _decoder_matches_float64("cpu", True)
