@@ -225,6 +225,25 @@ def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads, 
         dec.load(model(first[:, :3].repeat(2, 1), use_cache=True)[1])
 
 
+def test_a_failing_compile_is_one_clear_error(monkeypatch, fresh_dynamo):
+    """torch.compile failing (no C++ compiler, say) is one clear error naming the way out."""
+    model = make_lm(chunk_size=8)
+    with torch.no_grad():
+        _, cache = model(torch.zeros(1, 3, dtype=torch.long), use_cache=True)
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise OSError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(
+        RuntimeError, match=r"torch.compile of the decode step failed .*no C\+\+ compiler.*compile=False"
+    ):
+        decode.StaticDecoder(model, cache, compile=True)
+
+
 def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
     """A second decoder in the same process (another model, bf16 weights: other shapes and ops) compiles its
     own graph rather than recompiling the first one's (Dynamo caches per code object: shared, the second

@@ -488,10 +488,17 @@ class StaticDecoder:
 
         saved = [t.clone() for t in self._buffers()]
         below = [e for e in self.ends if e < self.chunk]
-        for end in below[len(below) // 2 :][:1] + [self.chunk]:
-            run(end)
-        for t, s in zip(self._buffers(), saved):
-            t.copy_(s)
+        try:
+            for end in below[len(below) // 2 :][:1] + [self.chunk]:
+                run(end)
+        except Exception as err:  # e.g. no C++ compiler for Inductor's CPU code
+            raise RuntimeError(
+                f"torch.compile of the decode step failed ({type(err).__name__}: {err}); "
+                "decode without it: compile=False"
+            ) from err
+        finally:
+            for t, s in zip(self._buffers(), saved):
+                t.copy_(s)
         warm = True
         return run
 
