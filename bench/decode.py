@@ -198,12 +198,13 @@ def main() -> None:
                 times[name] += [
                     s.next() for _ in range(args.tokens // 4 if name == "segment" else args.tokens)
                 ]
-        for i in range(args.tokens if args.order == "round-robin" else 0):
-            for name, f in reads.items():
-                times[name].append(timed(f))
-            for name, s in streams.items():
-                if name != "segment" or i % 4 == 0:  # the slow path: every 4th turn
-                    times[name].append(s.next())
+        else:
+            for i in range(args.tokens):
+                for name, f in reads.items():
+                    times[name].append(timed(f))
+                for name, s in streams.items():
+                    if name != "segment" or i % 4 == 0:  # the slow path: every 4th turn
+                        times[name].append(s.next())
         med = {n: statistics.median(times[n]) * 1e3 for n in names}
         floor = med["floor fp32 mv"]
         rows.append([str(r + 1)] + [f"{med[n]:.2f} ({med[n] / floor:.2f}x)" for n in names])
