@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,43 +42,26 @@ except ImportError:  # a checkout from before lean.py: nothing is rebuilt
         return False
 
 
+HERE = Path(__file__).resolve().parents[1]
+
+
+def _load_walker():
+    """``mega_suite/memory.py`` of this checkout, loaded by path: with ``--baseline`` the ``mega_suite``
+    package on the path is the other checkout's, which may predate it."""
+    spec = importlib.util.spec_from_file_location("_mega_memory", HERE / "mega_suite" / "memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.stored_for_backward
+
+
+stored_for_backward = _load_walker()
+
+
 def saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> collections.Counter:
-    """{(node, attribute, shape, dtype): storage bytes} of what ``block(x)`` saves for backward."""
+    """{(node, attribute, shape, dtype): storage bytes} of what ``block(x)`` saves for backward (the block's
+    input and parameters excluded)."""
     out = block(x)[0]
-    seen = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in block.parameters()}
-    by = collections.Counter()
-    stack, visited = [out.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in visited:
-            continue
-        visited.add(fn)
-        names = [n for n in dir(fn) if n.startswith("_saved_")]
-        if isinstance(fn, torch.autograd.function.BackwardCFunction):  # a custom autograd.Function
-            names.append("saved_tensors")
-        for name in names:
-            try:
-                value, again = getattr(fn, name), getattr(fn, name)
-            except Exception:  # noqa: BLE001 - some saved attributes are not readable (freed, symbolic)
-                continue
-            name = name if name.startswith("_saved_") else "_saved_" + name
-            values = value if isinstance(value, (tuple, list)) else [value]
-            agains = again if isinstance(again, (tuple, list)) else [again]
-            for t, t2 in zip(values, agains):
-                if isinstance(t, torch.Tensor) and (
-                    t.untyped_storage().data_ptr() != t2.untyped_storage().data_ptr() or is_rebuilt(t)
-                ):
-                    continue  # rebuilt when read (a saved-tensor hook recomputes it): nothing is stored
-                if isinstance(t, torch.Tensor) and t.numel() > 0:
-                    storage = t.untyped_storage()
-                    if storage.data_ptr() in seen:
-                        continue
-                    seen.add(storage.data_ptr())
-                    by[type(fn).__name__, name[len("_saved_") :], tuple(t.shape), str(t.dtype)] += (
-                        storage.nbytes()
-                    )
-        stack.extend(f for f, _ in fn.next_functions)
-    return by
+    return stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)
 
 
 def measure(preset: str, length: int, batch: int) -> list[list]:

@@ -9,8 +9,8 @@ hsdp: the devices of a node; ddp / one device: 1):
   largest unit's parameter count, b = 2 bytes under bf16-mixed (4 otherwise);
 - activations: **measured**, not guessed. One- and two-layer models of the same architecture and heads run
   one forward on CPU over one attention context (the chunk, or the window);
-  ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes autograd saves for backward (parameters
-  excluded); two layers minus one = bytes per token per layer. Measured at (width/16, context/16),
+  walking the autograd graph counts the bytes it stores for backward (``mega_suite.memory``; parameters
+  and tensors rebuilt in backward excluded); two layers minus one = bytes per token per layer. Measured at (width/16, context/16),
   (width/8, context/16) and (width/16, context/8) (widths: model_dim, z_dim, value_dim, ffn_hidden_dim),
   fitted as a + b·D + g·c (chunked attention keeps h·c scores per token) and evaluated at the recipe's
   width and context. Times layers and tokens per micro-batch; the language model's logits add tokens·V·4·2
@@ -78,34 +78,34 @@ def _inputs(mcfg, length: int):
 
 
 def saved_bytes(mcfg, length: int, bf16: bool) -> int:
-    """Bytes autograd saves for backward in one forward of ``build_model(mcfg)`` (parameters excluded)."""
+    """Bytes autograd stores for backward in one forward of ``build_model(mcfg)`` (parameters excluded),
+    found by walking the graph: tensors a model's own saved-tensor hooks rebuild in backward do not count,
+    and those saved inside such hooks do (a counting hook around the forward would see neither)."""
+    from mega_suite.memory import stored_for_backward
     from mega_suite.models import build_model
+    from mega_suite.models.megalodon.lean import is_rebuilt
 
     torch.manual_seed(0)
     model = build_model(mcfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
     inputs = _inputs(mcfg, length or getattr(mcfg, "image_size", 1) ** 2)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+    with ctx:
         if hasattr(model, "forward_hidden") and not getattr(mcfg, "num_classes", 0):
-            model.forward_hidden(inputs[0])
+            out = model.forward_hidden(inputs[0])
         else:
-            model(*inputs)
-    return sum(seen.values())
+            out = model(*inputs)
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
+    return sum(stored_for_backward(outs, exclude=list(model.parameters()), rebuilt=is_rebuilt).values())
 
 
 def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool) -> tuple[float, str]:
     """Bytes saved per token per layer at the full width D and attention context c (the chunk, the window),
     modelled as a + b·D + g·c (chunked attention keeps h·c scores per token) and fitted on 1- and 2-layer
-    runs at (D/16, c/16), (D/8, c/16), (D/16, c/8) -- sequence = one context, so each run is small."""
+    runs at (D/16, c/16), (D/8, c/16), (D/16, c/8) -- sequence = one context, so each run is small.
+    Megalodon's ``recompute_linears=auto`` is decided for the full model at c and kept in the small runs."""
+    if hasattr(mcfg, "rebuilds_linears"):
+        decided = "always" if mcfg.rebuilds_linears(context or mcfg.chunk_size) else "never"
+        mcfg = dataclasses.replace(mcfg, recompute_linears=decided)
 
     def per_layer(divisor: int, ctx: int | None, length: int) -> tuple[int, float]:
         one = saved_bytes(_scaled(mcfg, divisor, 1, ctx), length, bf16)
@@ -217,7 +217,7 @@ def plan(cfg: DictConfig) -> str:
         + ("(meta build: its shard + one FSDP unit whole while initialised)" if sharded
            else "(the whole model is built on every rank: use trainer.strategy=fsdp to shard it)")
         + f"; with init_from= rank 0 also reads the whole file ({host_full / GIB:.2f} GiB)",
-        f"activations: saved-for-backward bytes per token per layer measured on CPU (saved_tensors_hooks, "
+        f"activations: saved-for-backward bytes per token per layer measured on CPU (autograd graph walk, "
         f"2 layers minus 1): {how}; x {layers} layers x {tokens_micro:,} tokens"
         + (f"; + logits {tokens_micro:,} x V={mcfg.vocab_size} x 4 B x 2" if lm else "")
         + ". Fused GPU attention kernels save less than this CPU reference path (an upper bound).",
