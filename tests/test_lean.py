@@ -2,6 +2,10 @@
 against plain autograd and finite differences in float64, dropout draw for draw equal to F.dropout, and the
 bytes a tiny block keeps per token."""
 
+import ctypes
+import gc
+import weakref
+
 import pytest
 import test_model as tm
 import torch
@@ -9,7 +13,13 @@ import torch.nn.functional as F
 
 from bench.saved_bytes import saved_bytes
 from kernels.recompute import recompute
-from mega_suite.models.megalodon.lean import dropout, is_rebuilt, recompute_saved, silu_gate_linear
+from mega_suite.models.megalodon.lean import (
+    dropout,
+    is_rebuilt,
+    rebuild_linear,
+    recompute_saved,
+    silu_gate_linear,
+)
 from mega_suite.models.megalodon.model import MegalodonBlock
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -114,12 +124,95 @@ def test_recompute_saved_rebuilds_views():
     assert len(calls) == 1
 
 
+def test_recompute_saved_keeps_no_reference():
+    """A tensor whose saved copies are recipes is freed when the caller drops it: neither the context's
+    hooks nor the graph keep it (before, the hooks held the group's tensors: stored after all)."""
+    pre = _f64(3, 5, seed=11)
+    v = F.silu(pre)
+    alive = weakref.ref(v)
+    with recompute_saved(((v,), lambda: (F.silu(pre.detach()),))):
+        out = (v * v.exp()).sum()
+    del v
+    gc.collect()
+    assert alive() is None
+    w = F.silu(pre)
+    want = torch.autograd.grad((w * w.exp()).sum(), pre)[0]
+    torch.testing.assert_close(torch.autograd.grad(out, pre)[0], want, **TIGHT)
+
+
+def test_rebuild_linear_under_bf16_autocast_gives_forward_bits():
+    """Forward's Linear ran under autocast (bf16 x, W, b); backward runs outside it. The rebuild gives the
+    same bits as forward's output, computed once however often it is called."""
+    x, w, b = torch.randn(2, 7, 8), torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = F.linear(x, w, b)
+    fn = rebuild_linear(x, w, b, like=y)
+    got = fn()
+    assert got.dtype == torch.bfloat16 and fn() is got
+    torch.testing.assert_close(got, y, rtol=0, atol=0)
+
+
+def _malloc_live_bytes() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap in use + mmapped blocks)."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+        ]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+@pytest.mark.parametrize("rebuild", ["always", "never"])
 @pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
-def test_block_saved_bytes_per_token(classifier):
+def test_block_keeps_alive_only_what_it_saves(classifier, rebuild):
+    """After a block's forward, the memory still allocated is what autograd stores for backward (counted by
+    walking the graph, rebuilt tensors excluded) plus the output: tensors that are rebuilt in backward
+    (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures."""
+    try:
+        _malloc_live_bytes()
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's mallinfo2")
+    cfg = tm.tiny_config(
+        chunk_size=512, num_classes=3 if classifier else 0, dropout=0.1, recompute_linears=rebuild
+    )
+    block = MegalodonBlock(cfg).train()
+    B, L = 8, 512
+    x = torch.randn(B, L, cfg.model_dim, requires_grad=True)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[4:, 400:] = True
+    block(x, mask if classifier else None)  # warm-up: allocator pools, lazily built tables
+    gc.collect()
+    before = _malloc_live_bytes()
+    out = block(x, mask if classifier else None)[0]
+    gc.collect()
+    live = _malloc_live_bytes() - before
+
+    class Done:  # saved_bytes' view of the block: the forward that already ran, and its parameters
+        def __call__(self, t):
+            return (out,)
+
+        def parameters(self):
+            return block.parameters()
+
+    saved = sum(saved_bytes(Done(), x).values()) + out.untyped_storage().nbytes()
+    assert abs(live - saved) <= 0.02 * saved + 128 * 1024, (live, saved, B * L * cfg.model_dim * 4)
+
+
+@pytest.mark.parametrize("rebuild,bound", [("always", 10), ("never", 16)])
+@pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
+def test_block_saved_bytes_per_token(classifier, rebuild, bound):
     """Bytes per token of the [B, L]-sized tensors one block keeps (D = 16, Z = 8, E = 16, F = 32 SwiGLU,
-    float32): 15.3 D floats now, bounded by 17 D; the code before (padded Q/K/V copies, FFT spectra, SiLU
-    outputs and products, float dropout masks, the non-contiguous CEMA output copied per Linear) kept 37 D."""
-    cfg = tm.tiny_config(chunk_size=64, num_classes=3 if classifier else 0, dropout=0.1)
+    float32): 9.3 D floats with model.recompute_linears=always, bounded by 10 D; 15.3 D with never (X̂ W_v + b,
+    M W_r + b and the FFN's u W_1, u W_3 stored: 6 D), bounded by 16 D. The code before (padded Q/K/V copies, FFT spectra, SiLU outputs and
+    products, float dropout masks, the non-contiguous CEMA output copied per Linear) kept 37 D."""
+    cfg = tm.tiny_config(
+        chunk_size=64, num_classes=3 if classifier else 0, dropout=0.1, recompute_linears=rebuild
+    )
     block = MegalodonBlock(cfg).train()
     B, L = 4, 64
     x = torch.randn(B, L, cfg.model_dim, requires_grad=True)
@@ -136,4 +229,52 @@ def test_block_saved_bytes_per_token(classifier):
 
     by = saved_bytes(Wrapped(), x)
     per_token = sum(b for (_, _, shape, _), b in by.items() if shape and shape[0] in (B, B * L)) / (B * L)
-    assert per_token <= 17 * cfg.model_dim * 4, (per_token, by.most_common(12))
+    assert per_token <= bound * cfg.model_dim * 4, (per_token, by.most_common(12))
+
+
+def test_recompute_linears_auto_follows_the_flop_share():
+    """auto rebuilds where the extra GEMMs are a small share of the block's work (LRA: long full attention,
+    narrow Linears), not in the language models (wide Linears); always / never override; a bad value is named."""
+    from mega_suite.models.megalodon.config import MegalodonConfig
+    from mega_suite.models.megalodon.presets import PRESETS
+
+    def cfg(name, **kw):
+        return MegalodonConfig(**{**PRESETS[name], **kw})
+
+    assert cfg("lra_listops").rebuilds_linears(2000)
+    assert not cfg("lra_listops").rebuilds_linears(64)  # a short batch: attention is cheap there
+    assert not cfg("lra_listops_chunk").rebuilds_linears(2000)
+    assert not cfg("megalodon_cpu_bench").rebuilds_linears(2048)
+    assert not cfg("megalodon_7b").rebuilds_linears(4096)
+    assert cfg("megalodon_cpu_bench", recompute_linears="always").rebuilds_linears(2048)
+    assert not cfg("lra_listops", recompute_linears="never").rebuilds_linears(2000)
+    with pytest.raises(ValueError, match="recompute_linears='sometimes'"):
+        cfg("lra_listops", recompute_linears="sometimes")
+
+
+@pytest.mark.parametrize("rebuild", ["always", "never"])
+def test_checkpointed_blocks_store_only_their_inputs(rebuild):
+    """With activation checkpointing a block keeps its input and nothing else: the rebuild hooks step aside
+    for checkpointing's own (only the innermost pair applies; before, attention's Q, K, O and statistics
+    were stored inside every checkpointed block). Stored here: two block inputs, the final norm's input, the
+    head's input and the token ids."""
+    from mega_suite.memory import stored_for_backward
+    from mega_suite.models import build_model
+
+    cfg = tm.tiny_config(chunk_size=256, num_layers=2, recompute_linears=rebuild)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    model.gradient_checkpointing = True
+    B, L = 2, 256
+    tokens = torch.randint(0, cfg.vocab_size, (B, L))
+    logits = model(tokens)[0]
+    stored = stored_for_backward(logits, exclude=list(model.parameters()), rebuilt=is_rebuilt)
+    activation = B * L * cfg.model_dim * 4
+    assert sum(stored.values()) <= (cfg.num_layers + 2) * activation + B * L * 8 + 1024, stored.most_common(8)
+    logits.float().square().mean().backward()
+    model.gradient_checkpointing = False
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(tokens)[0].float().square().mean().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)

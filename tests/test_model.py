@@ -261,8 +261,10 @@ def test_lm_block_oracle_is_sensitive_to_the_plus_one_norm_weights():
         assert (oracle_block(Q, cfg, x)[0] - ref).abs().max() > 1e-3, name
 
 
-def test_lm_block_gradients_match_oracle():
-    cfg = tiny_config(layer_scale=True)
+@pytest.mark.parametrize("rebuild", ["always", "never"])
+def test_lm_block_gradients_match_oracle(rebuild):
+    """``rebuild``: model.recompute_linears (X̂ W_v + b, M W_r + b, u W_1, u W_3 rebuilt in backward)."""
+    cfg = tiny_config(layer_scale=True, recompute_linears=rebuild)
     block = randomise(MegalodonBlock(cfg, layer_index=1).double(), seed=5).eval()
     x = lm_input(2, 12, cfg.model_dim, seed=6).requires_grad_()
     cot = torch.randn(2, 12, cfg.model_dim, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -304,8 +306,9 @@ def test_classifier_block_matches_oracle(padded):
     torch.testing.assert_close(out[valid], expected[valid], **F64)
 
 
-def test_classifier_block_gradients_match_oracle():
-    cfg = classifier_config(swiglu=False)
+@pytest.mark.parametrize("rebuild", ["always", "never"])
+def test_classifier_block_gradients_match_oracle(rebuild):
+    cfg = classifier_config(swiglu=False, recompute_linears=rebuild)
     block = randomise(MegalodonBlock(cfg).double(), seed=10).eval()
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, 6:] = True

@@ -25,7 +25,11 @@ def _build(seed: int = 0, arch: str = "megalodon"):
     from mega_suite.models.llama import LlamaConfig
 
     torch.manual_seed(seed)
-    return build_model(MegalodonConfig(**CFG) if arch == "megalodon" else LlamaConfig(**LLAMA))
+    if arch == "llama":
+        return build_model(LlamaConfig(**LLAMA))
+    # megalodon-rebuild: Linear outputs rebuilt in backward from the unsharded weights forward used
+    rebuild = "always" if arch == "megalodon-rebuild" else "never"
+    return build_model(MegalodonConfig(**CFG, recompute_linears=rebuild))
 
 
 def _batch():
@@ -68,7 +72,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, arch: str = "megalo
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("arch", ["megalodon", "llama"])
+@pytest.mark.parametrize("arch", ["megalodon", "megalodon-rebuild", "llama"])
 def test_fsdp2_step_matches_single_process(arch):
     """The same FSDP2 code (units and islands asked of the model) shards every registered architecture."""
     world = 2

@@ -253,18 +253,21 @@ def _check_rule(build, run, atol=5e-3):
     return got, base
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_lm_bf16_error_within_twice_linear_only(method):
+@pytest.mark.parametrize("method,rebuild", [(m, "never") for m in METHODS] + [("fft", "always")])
+def test_lm_bf16_error_within_twice_linear_only(method, rebuild):
+    """``rebuild``: model.recompute_linears (the Linears' bf16 outputs rebuilt in backward, outside autocast)."""
     x = tokens(2, 40, LM["vocab_size"])
 
     def run(model):
         logits, _ = model(x[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
-    _check_rule(lambda dt: make_lm(method, chunk_size=16, dtype=dt).eval(), run)
+    build = lambda dt: make_lm(method, chunk_size=16, dtype=dt, recompute_linears=rebuild).eval()  # noqa: E731
+    _check_rule(build, run)
 
 
-def test_classifier_bf16_error_within_twice_linear_only():
+@pytest.mark.parametrize("rebuild", ["never", "always"])
+def test_classifier_bf16_error_within_twice_linear_only(rebuild):
     x = tokens(3, 24, 20)
     pad = torch.zeros(3, 24, dtype=torch.bool)
     pad[2, 15:] = True
@@ -272,7 +275,7 @@ def test_classifier_bf16_error_within_twice_linear_only():
     def run(model):
         return F.cross_entropy(model(x, pad), torch.tensor([0, 3, 4]))
 
-    _check_rule(lambda dt: make_classifier(chunk_size=16, dtype=dt).eval(), run)
+    _check_rule(lambda dt: make_classifier(chunk_size=16, dtype=dt, recompute_linears=rebuild).eval(), run)
 
 
 def test_float64_model_stays_float64_under_autocast(monkeypatch):

@@ -26,6 +26,10 @@ class MegalodonConfig:
     attention_dropout: float = 0.0  # dropout on attention probabilities
     drop_path: float = 0.0  # stochastic depth rate (classification, e.g. ImageNet 0.3), linear over depth
     cema_method: str = "auto"  # auto | fft | chunked | sequential
+    # auto | always | never: in training, rebuild X̂ W_v + b, M W_r + b and the FFN's u W_1 (u W_3) in backward
+    # from inputs kept anyway, instead of storing them (2E + F or 2E + 2F floats per token and layer, one
+    # GEMM each); auto: when that is <= 5% of the block's FLOPs (``rebuilds_linears``)
+    recompute_linears: str = "auto"
     # --- language model (SPEC §5) ---
     vocab_size: int = 32000  # V
     scale_emb: bool = False  # multiply embeddings by sqrt(D)
@@ -55,6 +59,11 @@ class MegalodonConfig:
                 "cema_method",
                 "auto|fft|chunked|sequential",
             ),
+            (
+                self.recompute_linears in ("auto", "always", "never"),
+                "recompute_linears",
+                "auto|always|never",
+            ),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -66,3 +75,23 @@ class MegalodonConfig:
     @property
     def is_classifier(self) -> bool:
         return self.num_classes > 0
+
+    def rebuilds_linears(self, length: int) -> bool:
+        """Whether training on ``length`` tokens rebuilds the narrow-input Linears' outputs in backward
+        (``recompute_linears``; auto: when the extra GEMMs are <= 5% of the block's training FLOPs).
+
+        Per token, forward: Linears 2 (D Z + 3 D E + D² + k D F) with k = 3 for SwiGLU, else 2; attention
+        2 n (Z + E) over n keys (min(L, C), half of it when causal). Training is about 3x forward for the
+        Linears and 4x for attention (its backward recomputes the probabilities). The rebuild is
+        2 D (2 E + (k - 1) F). listops (D 80, E = F = 160, n = 2000): 1.9%; text, C = 4000: 1.8%;
+        megalodon_cpu_bench (D 512, E = F = 1024 SwiGLU, causal C = 2048): 14%; the 7B: 19%. Measured: 1.0x
+        step time at listops, 1.11-1.15x at cpu_bench (bench/RESULTS.md §17)."""
+        if self.recompute_linears != "auto":
+            return self.recompute_linears == "always"
+        d, z, e, f = self.model_dim, self.z_dim, self.value_dim, self.ffn_hidden_dim
+        k = 3 if self.swiglu else 2
+        n = min(length, self.chunk_size) / (1 if self.is_classifier else 2)
+        linears = 2 * (d * z + 3 * d * e + d * d + k * d * f)
+        attention = 2 * n * (z + e)
+        rebuild = 2 * d * (2 * e + (k - 1) * f)
+        return rebuild <= 0.05 * (3 * linears + 4 * attention)

@@ -5,8 +5,10 @@
 - ``dropout(x, p, training)``: on CPU ``F.dropout`` keeps its float noise tensor ([B, L, D] of 0 and
   1/(1-p)); this draws the same noise from the same generator and keeps it as bool (1 byte per element).
 - ``recompute_saved(((t, ...), fn), ...)``: inside the context, autograd stores views of the tensors t as a
-  recipe and rebuilds them from ``fn()`` when backward reads them (attention's V = SiLU(W_v X̂): W_v X̂ is
-  kept anyway).
+  recipe and rebuilds them from ``fn()`` when backward reads them. The block rebuilds the outputs of its
+  narrow-input Linears from inputs it keeps anyway: V = SiLU(X̂ W_v + b) and X̂ W_v + b from X̂, M W_r + b
+  from M, the FFN's u W_1 (and u W_3) from u (``rebuild_linear``): one GEMM in backward each, instead of
+  E or F floats per token stored.
 - ``recompute(fn, *xs)``: an elementwise / normalisation piece whose intermediates are recomputed from its
   inputs in backward (a checkpoint of a few cheap ops, not of a block: matmuls, attention and FFTs are never
   recomputed). ``fn`` must be deterministic (no dropout) and contain no autocast-listed op.
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from kernels.recompute import recompute
 
-__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "dropout"]
+__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "rebuild_linear", "dropout"]
 
 
 class _SiluGateLinear(torch.autograd.Function):
@@ -107,13 +109,23 @@ class _Recipe:
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
 
 
+def _outer_saved_tensor_hooks() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private, torch >= 2.0
+    return top is not None and top(False) is not None
+
+
 @contextlib.contextmanager
 def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor, ...]]]) -> Iterator[None]:
     """Each group is (tensors, fn) with fn() returning those tensors' values again, in their layouts. Tensors
     saved for backward inside the context that are views of one of them are stored as (shape, strides,
     offset) and rebuilt as the same view of fn()'s result; fn runs once, when backward first reads one.
-    Under torch.compile it does nothing: AOT autograd's partitioner decides what is saved."""
-    if torch.compiler.is_compiling():
+    Neither the context nor fn may hold the tensors themselves (fn capturing one keeps it alive, stored after
+    all).
+    Under torch.compile it does nothing: AOT autograd's partitioner decides what is saved. Inside another
+    saved-tensor hook pair (non-reentrant activation checkpointing, which recomputes the whole block anyway)
+    it does nothing either: only the innermost pair applies, so the outer one would not see what is saved
+    here (checkpointing kept attention's Q, K, O that way), and fn would keep its inputs alive."""
+    if torch.compiler.is_compiling() or _outer_saved_tensor_hooks():
         yield
         return
     where = {
@@ -121,6 +133,8 @@ def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor
         for g, (ts, _) in enumerate(groups)
         for i, t in enumerate(ts)
     }
+    fns = tuple(fn for _, fn in groups)  # the hooks must not refer to the tensors: they would stay alive
+    del groups
     rebuilt: dict[int, tuple[Tensor, ...]] = {}  # freed with the last recipe that refers to this closure
 
     def pack(s: Tensor):
@@ -132,10 +146,29 @@ def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor
             return s
         if s.group not in rebuilt:
             with torch.no_grad():
-                rebuilt[s.group] = tuple(groups[s.group][1]())
+                rebuilt[s.group] = tuple(fns[s.group]())
             for t in rebuilt[s.group]:
                 _REBUILT[t.untyped_storage().data_ptr()] = t
         return rebuilt[s.group][s.index].as_strided(s.shape, s.stride, s.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def rebuild_linear(x: Tensor, weight: Tensor, bias: Tensor | None, like: Tensor) -> Callable[[], Tensor]:
+    """A function giving ``F.linear(x, weight, bias)`` again, as ``like`` (its forward result) was computed,
+    once: its value is kept after the first call, so groups of ``recompute_saved`` can share one GEMM.
+
+    Under autocast, forward's Linear cast x, W and b to the autocast dtype; backward may run outside autocast,
+    so the rebuild makes those casts itself (the same values) and runs with autocast off. ``weight`` and
+    ``bias`` are the tensors forward used (under FSDP2 the unsharded ones, gathered again for backward)."""
+    dtype, device, value = like.dtype, like.device.type, []  # not ``like`` itself: it is what is not stored
+
+    def fn() -> Tensor:
+        if not value:
+            with torch.autocast(device, enabled=False):
+                b = None if bias is None else bias.to(dtype)
+                value.append(F.linear(x.to(dtype), weight.to(dtype), b))
+        return value[0]
+
+    return fn

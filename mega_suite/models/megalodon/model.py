@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,13 @@ from mega_suite.models.common import (
 )
 from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.config import MegalodonConfig
-from mega_suite.models.megalodon.lean import dropout, recompute, recompute_saved, silu_gate_linear
+from mega_suite.models.megalodon.lean import (
+    dropout,
+    rebuild_linear,
+    recompute,
+    recompute_saved,
+    silu_gate_linear,
+)
 
 NormState = tuple[Tensor, Tensor, Tensor]
 
@@ -288,14 +295,23 @@ class MegalodonAttention(nn.Module):
         nn.init.zeros_(self.gamma)
         nn.init.zeros_(self.beta)
 
-    def _qkv(self, x_hat: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(Z [B, L, h, Z/h], V [B, L, h, E/h], W_r M before its SiLU, V before its SiLU)."""
+    def _qkv(
+        self, x_hat: Tensor, m: Tensor, rebuild: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Callable[[], Tensor]]:
+        """(Z [B, L, h, Z/h], V [B, L, h, E/h], W_r M before its SiLU, a function giving X̂ W_v + b).
+
+        With ``rebuild``, X̂ W_v + b is not stored for SiLU's backward: it is rebuilt from X̂ (kept anyway, by
+        W_v and CEMA), with one GEMM shared with V's rebuild for attention's backward."""
         b, length, _ = m.shape
         h = self.num_heads
         z = self.wz(m).view(b, length, h, -1)
         v_pre = self.wv(x_hat)
-        v = F.silu(v_pre).view(b, length, h, -1)
-        return z, v, self.wr(m), v_pre
+        if not rebuild:
+            return z, F.silu(v_pre).view(b, length, h, -1), self.wr(m), lambda: v_pre
+        rebuild_pre = rebuild_linear(x_hat, self.wv.weight, self.wv.bias, like=v_pre)
+        with recompute_saved(((v_pre,), lambda: (rebuild_pre(),))):
+            v = F.silu(v_pre).view(b, length, h, -1)
+        return z, v, self.wr(m), rebuild_pre
 
     def _qk(self, z: Tensor, gamma: Tensor, beta: Tensor, positions: Tensor, dtype: torch.dtype):
         """Z -> RoPE(Q), RoPE(K) in ``dtype``: per-head normalised Z (float32, or float64), scaled by
@@ -338,18 +354,20 @@ class MegalodonAttention(nn.Module):
             padding_mask=padding_mask if self.causal else None, return_state=cache is not None,
         )  # fmt: skip
         m = F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training)
-        z, v, r_pre, v_pre = self._qkv(x_hat, m)
         length = x.shape[1]
+        rebuild = torch.is_grad_enabled() and cfg.rebuilds_linears(length)
+        z, v, r_pre, rebuild_pre = self._qkv(x_hat, m, rebuild)
         offset = pos % c
         attn_p = cfg.attention_dropout if self.training else 0.0
         new_cache = None
         if cache is None or offset == 0:
             positions = torch.arange(length, device=x.device) % c
             q, k = self._rope(z, v, positions)
-            # Attention keeps no V of its own: V = SiLU(W_v X̂) is rebuilt when backward needs it (W_v X̂ is
-            # kept for SiLU's backward anyway). Q, K are kept: rebuilding them measured slower (their
-            # recompute for the Z gradient runs later, so it cannot be shared) and did not lower the peak.
-            rebuild_v = lambda: (F.silu(v_pre).view(v.shape),)  # noqa: E731
+            # Attention keeps no V of its own: V = SiLU(X̂ W_v + b) is rebuilt when backward needs it (the
+            # GEMM is shared with SiLU's backward, see _qkv). Q, K are kept: rebuilding them measured slower
+            # (their recompute for the Z gradient runs later, so it cannot be shared) and did not lower the peak.
+            v_shape = v.shape  # not v itself: the closure would keep it alive
+            rebuild_v = lambda: (F.silu(rebuild_pre()).view(v_shape),)  # noqa: E731
             with recompute_saved(((v,), rebuild_v)):
                 o = chunk_attention(q, k, v, c, self.causal, padding_mask, attn_p)
             if cache is not None:
@@ -369,7 +387,13 @@ class MegalodonAttention(nn.Module):
         if self.training and cfg.hidden_dropout > 0:
             gated = F.dropout(o * F.silu(r_pre), cfg.hidden_dropout, self.training)
             return self.wh1(m) + self.wh2(gated), new_cache
-        return self.wh1(m) + silu_gate_linear(r_pre, o, self.wh2.weight), new_cache
+        if not rebuild:
+            return self.wh1(m) + silu_gate_linear(r_pre, o, self.wh2.weight), new_cache
+        # M W_r + b is rebuilt from M (kept by W_z, W_r, W_h1) for the gate's backward, not stored
+        rebuild_r = rebuild_linear(m, self.wr.weight, self.wr.bias, like=r_pre)
+        with recompute_saved(((r_pre,), lambda: (rebuild_r(),))):
+            gated = silu_gate_linear(r_pre, o, self.wh2.weight)
+        return self.wh1(m) + gated, new_cache
 
 
 class NormalizedFFN(nn.Module):
@@ -397,8 +421,15 @@ class NormalizedFFN(nn.Module):
             a = F.silu(self.fc1(u))
             a = a if b is None else a * b
             out = self.fc2(F.dropout(a, self.cfg.hidden_dropout, self.training))
-        else:  # SiLU(fc1 u) (* fc3 u) is recomputed in backward, not stored
-            out = silu_gate_linear(self.fc1(u), b, self.fc2.weight)
+        elif not (torch.is_grad_enabled() and self.cfg.rebuilds_linears(y.shape[1])):
+            out = silu_gate_linear(self.fc1(u), b, self.fc2.weight)  # SiLU (and the product) recomputed
+        else:  # and fc1 u (fc3 u) rebuilt from u, kept by fc1 and fc3: not stored either
+            g = self.fc1(u)
+            pre = (g,) if b is None else (g, b)
+            fc1 = rebuild_linear(u, self.fc1.weight, None, like=g)
+            fc3 = None if b is None else rebuild_linear(u, self.fc3.weight, None, like=b)
+            with recompute_saved((pre, lambda: (fc1(),) if fc3 is None else (fc1(), fc3()))):
+                out = silu_gate_linear(g, b, self.fc2.weight)
         return out * self.alpha if self.alpha is not None else out
 
 
