@@ -3,6 +3,7 @@
     git worktree add /tmp/mem_base a2b2f19
     python -m bench.train_memory --baseline /tmp/mem_base                    # both workloads, 2 rounds
     python -m bench.train_memory --baseline /tmp/mem_base --only lm --lengths 2K,4K --rounds 3
+    python -m bench.train_memory --baseline /tmp/mem_base --only ckpt --ckpt-lengths 16K,32K --steps 2
 
 Workloads (fp32, train mode, ``--threads`` threads):
 
@@ -11,7 +12,9 @@ Workloads (fp32, train mode, ``--threads`` threads):
   (the main job) in fresh processes, old then new, one at a time (``--rounds``): peak memory and the time of
   that first step; B = ``--timing-batch`` in the paired mode below for the time;
 - ``lm``: ``megalodon_cpu_bench`` on [1, L] tokens, next-token cross-entropy, forward + backward; one warm-up
-  step, then ``--steps`` timed steps, paired.
+  step, then ``--steps`` timed steps, paired;
+- ``ckpt``: the same with activation checkpointing (``model.gradient_checkpointing``) at ``--ckpt-lengths``,
+  in fresh processes one at a time (one warm-up, then the best of ``--steps``; peak over all of them).
 
 Each process has ``PYTHONPATH`` at one checkout (``new`` = this one, ``old`` = ``--baseline``). Paired: the
 old and the new process are both alive and take steps in turn (old, new, old, new, ...), so both see the same
@@ -58,6 +61,7 @@ if kind == "listops":
     warm = False
 else:
     model = create_model("megalodon_cpu_bench").train()
+    model.gradient_checkpointing = kind == "lm_ckpt"
     x = torch.randint(0, 512, (1, length + 1))
     def step():
         logits = model(x[:, :-1])[0]
@@ -143,8 +147,9 @@ def _row(name: str, r: int, old: dict, new: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", required=True, type=Path, help="checkout of the old code (git worktree)")
-    ap.add_argument("--only", choices=["listops", "lm"], default=None)
+    ap.add_argument("--only", choices=["listops", "lm", "ckpt"], default=None)
     ap.add_argument("--lengths", default="2K,4K,8K", help="lm lengths")
+    ap.add_argument("--ckpt-lengths", default="16K,32K", help="lm lengths with activation checkpointing")
     ap.add_argument("--rounds", type=int, default=1, help="fresh old / new process pairs for listops 64x2000")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process in the paired runs")
     ap.add_argument("--timing-batch", type=int, default=16, help="listops batch of the paired timing run")
@@ -173,6 +178,11 @@ def main() -> None:
         for n in parse_lengths(args.lengths):
             old, new = run_paired(old_root, HERE, "lm", n, t, args.steps, 1)
             report(_row(f"cpu_bench 1x{n}, paired", 1, old, new))
+    if args.only in (None, "ckpt"):
+        for n in parse_lengths(args.ckpt_lengths):  # fresh processes one at a time: the old one peaks high
+            old = run(old_root, "lm_ckpt", n, t, args.steps, 1)
+            new = run(HERE, "lm_ckpt", n, t, args.steps, 1)
+            report(_row(f"cpu_bench 1x{n}, checkpointing, fresh", 1, old, new))
     print()
     heads = ["workload", "round", "old s", "new s", "new/old", "old CPU s", "new CPU s", "new/old"]
     heads += ["old peak GiB", "new peak GiB", "new/old"]
