@@ -167,57 +167,52 @@ def _malloc_live_bytes() -> int:
     return info.uordblks + info.hblkhd
 
 
+def _block_and_input(classifier: bool, rebuild: str, length: int, batch: int):
+    """A tiny train-mode block (D = 16, Z = 8, E = 16, F = 32 SwiGLU, C = length), its input [B, L, D] and
+    a padding mask (the second half of the batch padded over its last quarter; used by the classifier)."""
+    cfg = tm.tiny_config(
+        chunk_size=length, num_classes=3 if classifier else 0, dropout=0.1, recompute_linears=rebuild
+    )
+    block = MegalodonBlock(cfg).train()
+    x = torch.randn(batch, length, cfg.model_dim, requires_grad=True)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[batch // 2 :, length * 3 // 4 :] = True
+    return block, x, mask if classifier else None
+
+
 @pytest.mark.parametrize("rebuild", ["always", "never"])
 @pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
 def test_block_keeps_alive_only_what_it_saves(classifier, rebuild):
     """After a block's forward, the memory still allocated is what autograd stores for backward (counted by
     walking the graph, rebuilt tensors excluded) plus the output: tensors that are rebuilt in backward
     (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures."""
+    from mega_suite.memory import stored_for_backward
+
     try:
         _malloc_live_bytes()
     except (OSError, AttributeError):
         pytest.skip("needs glibc's mallinfo2")
-    cfg = tm.tiny_config(
-        chunk_size=512, num_classes=3 if classifier else 0, dropout=0.1, recompute_linears=rebuild
-    )
-    block = MegalodonBlock(cfg).train()
-    B, L = 8, 512
-    x = torch.randn(B, L, cfg.model_dim, requires_grad=True)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    mask[4:, 400:] = True
-    block(x, mask if classifier else None)  # warm-up: allocator pools, lazily built tables
+    block, x, mask = _block_and_input(classifier, rebuild, length=512, batch=8)
+    block(x, mask)  # warm-up: allocator pools, lazily built tables
     gc.collect()
     before = _malloc_live_bytes()
-    out = block(x, mask if classifier else None)[0]
+    out = block(x, mask)[0]
     gc.collect()
     live = _malloc_live_bytes() - before
-
-    class Done:  # saved_bytes' view of the block: the forward that already ran, and its parameters
-        def __call__(self, t):
-            return (out,)
-
-        def parameters(self):
-            return block.parameters()
-
-    saved = sum(saved_bytes(Done(), x).values()) + out.untyped_storage().nbytes()
-    assert abs(live - saved) <= 0.02 * saved + 128 * 1024, (live, saved, B * L * cfg.model_dim * 4)
+    stored = stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)
+    saved = sum(stored.values()) + out.untyped_storage().nbytes()
+    assert abs(live - saved) <= 0.02 * saved + 128 * 1024, (live, saved, x.numel() * 4)
 
 
 @pytest.mark.parametrize("rebuild,bound", [("always", 10), ("never", 16)])
 @pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
 def test_block_saved_bytes_per_token(classifier, rebuild, bound):
-    """Bytes per token of the [B, L]-sized tensors one block keeps (D = 16, Z = 8, E = 16, F = 32 SwiGLU,
-    float32): 9.3 D floats with model.recompute_linears=always, bounded by 10 D; 15.3 D with never (X̂ W_v + b,
-    M W_r + b and the FFN's u W_1, u W_3 stored: 6 D), bounded by 16 D. The code before (padded Q/K/V copies, FFT spectra, SiLU outputs and
-    products, float dropout masks, the non-contiguous CEMA output copied per Linear) kept 37 D."""
-    cfg = tm.tiny_config(
-        chunk_size=64, num_classes=3 if classifier else 0, dropout=0.1, recompute_linears=rebuild
-    )
-    block = MegalodonBlock(cfg).train()
-    B, L = 4, 64
-    x = torch.randn(B, L, cfg.model_dim, requires_grad=True)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    mask[2:, 48:] = True
+    """Bytes per token of the [B, L]-sized tensors one block keeps (float32): 9.3 D floats with
+    model.recompute_linears=always, bounded by 10 D; 15.3 D with never (X̂ W_v + b, M W_r + b and the FFN's
+    u W_1, u W_3 stored: 6 D), bounded by 16 D. The code before (padded Q/K/V copies, FFT spectra, SiLU
+    outputs and products, float dropout masks, the non-contiguous CEMA output copied per Linear) kept 37 D."""
+    block, x, mask = _block_and_input(classifier, rebuild, length=64, batch=4)
+    B, L, D = x.shape
 
     class Wrapped(torch.nn.Module):
         def __init__(self):
@@ -225,11 +220,11 @@ def test_block_saved_bytes_per_token(classifier, rebuild, bound):
             self.block = block
 
         def forward(self, t):
-            return block(t, mask if classifier else None)
+            return block(t, mask)
 
     by = saved_bytes(Wrapped(), x)
     per_token = sum(b for (_, _, shape, _), b in by.items() if shape and shape[0] in (B, B * L)) / (B * L)
-    assert per_token <= bound * cfg.model_dim * 4, (per_token, by.most_common(12))
+    assert per_token <= bound * D * 4, (per_token, by.most_common(12))
 
 
 def test_recompute_linears_auto_follows_the_flop_share():
