@@ -26,7 +26,12 @@ def stored_for_backward(
     Every saved tensor of every node (``_saved_*``, and ``saved_tensors`` of custom Functions) is read twice:
     one whose two reads differ in storage, or for which ``rebuilt(t)`` holds, is recomputed when read (a hook
     recipe, a checkpoint) and is not stored. Each storage counts once (views and tensors saved twice share
-    it); the storages of ``exclude`` (inputs, parameters) do not count."""
+    it); the storages of ``exclude`` (inputs, parameters) do not count.
+
+    Reading runs the unpack hooks: recipes are rebuilt, checkpointed blocks recomputed, and those results stay
+    cached until backward or until the graph dies (a measuring tool, not for a training step). Not seen: a
+    tensor held only by a hook's closure or set as a plain ``ctx`` attribute (kept alive, but not saved); the
+    block tests compare malloc's live bytes with this count for that reason."""
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     seen = {t.untyped_storage().data_ptr() for t in exclude}
     by: collections.Counter = collections.Counter()

@@ -180,12 +180,15 @@ def _block_and_input(classifier: bool, rebuild: str, length: int, batch: int):
     return block, x, mask if classifier else None
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rebuild", ["always", "never"])
 @pytest.mark.parametrize("classifier", [False, True], ids=["lm", "classifier"])
-def test_block_keeps_alive_only_what_it_saves(classifier, rebuild):
+def test_block_keeps_alive_only_what_it_saves(classifier, rebuild, bf16):
     """After a block's forward, the memory still allocated is what autograd stores for backward (counted by
     walking the graph, rebuilt tensors excluded) plus the output: tensors that are rebuilt in backward
-    (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures."""
+    (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures. Under
+    bf16 autocast too, where each Linear stores its own bf16 copy of its input: the rebuilds must read those,
+    not keep the float32 M and u alive beside them."""
     from mega_suite.memory import stored_for_backward
 
     try:
@@ -193,10 +196,13 @@ def test_block_keeps_alive_only_what_it_saves(classifier, rebuild):
     except (OSError, AttributeError):
         pytest.skip("needs glibc's mallinfo2")
     block, x, mask = _block_and_input(classifier, rebuild, length=512, batch=8)
-    block(x, mask)  # warm-up: allocator pools, lazily built tables
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=bf16)
+    with autocast:
+        block(x, mask)  # warm-up: allocator pools, lazily built tables
     gc.collect()
     before = _malloc_live_bytes()
-    out = block(x, mask)[0]
+    with autocast:
+        out = block(x, mask)[0]
     gc.collect()
     live = _malloc_live_bytes() - before
     stored = stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)

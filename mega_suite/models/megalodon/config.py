@@ -26,7 +26,7 @@ class MegalodonConfig:
     attention_dropout: float = 0.0  # dropout on attention probabilities
     drop_path: float = 0.0  # stochastic depth rate (classification, e.g. ImageNet 0.3), linear over depth
     cema_method: str = "auto"  # auto | fft | chunked | sequential
-    # auto | always | never: in training, rebuild X̂ W_v + b, M W_r + b and the FFN's u W_1 (u W_3) in backward
+    # auto | always | never: whenever autograd records, rebuild X̂ W_v + b, M W_r + b and the FFN's u W_1 (u W_3) in backward
     # from inputs kept anyway, instead of storing them (2E + F or 2E + 2F floats per token and layer, one
     # GEMM each); auto: when that is <= 5% of the block's FLOPs (``rebuilds_linears``)
     recompute_linears: str = "auto"
@@ -83,8 +83,8 @@ class MegalodonConfig:
         Per token, forward: Linears 2 (D Z + 3 D E + D² + k D F) with k = 3 for SwiGLU, else 2; attention
         2 n (Z + E) over n keys (min(L, C), half of it when causal). Training is about 3x forward for the
         Linears and 4x for attention (its backward recomputes the probabilities). The rebuild is
-        2 D (2 E + (k - 1) F). listops (D 80, E = F = 160, n = 2000): 1.9%; text, C = 4000: 1.8%;
-        megalodon_cpu_bench (D 512, E = F = 1024 SwiGLU, causal C = 2048): 14%; the 7B: 19%. Measured: 1.0x
+        2 D (2 E + (k - 1) F). listops (D 80, E = F = 160, n = 2000): 1.9%; text, C = 4000: 1.7%;
+        megalodon_cpu_bench (D 512, E = F = 1024 SwiGLU, causal C = 2048): 14%; the 7B: 18%. Measured: 1.0x
         step time at listops, 1.11-1.15x at cpu_bench (bench/RESULTS.md §17)."""
         if self.recompute_linears != "auto":
             return self.recompute_linears == "always"

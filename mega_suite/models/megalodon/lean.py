@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kernels.recompute import recompute
 
-__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "rebuild_linear", "dropout"]
+__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "rebuild_linear", "autocast_input", "dropout"]
 
 
 class _SiluGateLinear(torch.autograd.Function):
@@ -120,7 +120,8 @@ def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor
     saved for backward inside the context that are views of one of them are stored as (shape, strides,
     offset) and rebuilt as the same view of fn()'s result; fn runs once, when backward first reads one.
     Neither the context nor fn may hold the tensors themselves (fn capturing one keeps it alive, stored after
-    all).
+    all); the caller must, until the context exits (they are matched by storage address, which a freed tensor
+    would hand to another).
     Under torch.compile it does nothing: AOT autograd's partitioner decides what is saved. Inside another
     saved-tensor hook pair (non-reentrant activation checkpointing, which recomputes the whole block anyway)
     it does nothing either: only the innermost pair applies, so the outer one would not see what is saved
@@ -132,6 +133,7 @@ def recompute_saved(*groups: tuple[tuple[Tensor, ...], Callable[[], tuple[Tensor
         (t.untyped_storage().data_ptr(), t.dtype): (g, i)
         for g, (ts, _) in enumerate(groups)
         for i, t in enumerate(ts)
+        if t.numel()  # an empty tensor has no storage address of its own
     }
     fns = tuple(fn for _, fn in groups)  # the hooks must not refer to the tensors: they would stay alive
     del groups
@@ -172,3 +174,20 @@ def rebuild_linear(x: Tensor, weight: Tensor, bias: Tensor | None, like: Tensor)
         return value[0]
 
     return fn
+
+
+def autocast_input(x: Tensor) -> Tensor:
+    """``x`` cast once to the dtype autocast would give a Linear reading it (unchanged outside autocast).
+
+    Autocast casts an activation per op, so each Linear reading a float32 ``x`` stores its own bf16 copy for
+    backward, and a rebuild closure holding ``x`` would keep the float32 one alive beside them. Cast once,
+    every Linear (and the rebuild) reads, and stores, the same tensor; the values are the same."""
+    device = x.device.type
+    if (
+        x.dtype == torch.float32
+        and torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+    ):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype) if dtype != torch.float32 else x
+    return x

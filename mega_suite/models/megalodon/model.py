@@ -37,6 +37,7 @@ from mega_suite.models.common import (
 from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.config import MegalodonConfig
 from mega_suite.models.megalodon.lean import (
+    autocast_input,
     dropout,
     rebuild_linear,
     recompute,
@@ -353,7 +354,8 @@ class MegalodonAttention(nn.Module):
             x_hat, h0=None if cache is None else cache.cema,
             padding_mask=padding_mask if self.causal else None, return_state=cache is not None,
         )  # fmt: skip
-        m = F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training)
+        # M in the Linears' autocast dtype once: W_z, W_r, W_h1 (and W_r's rebuild) share one stored copy
+        m = autocast_input(F.dropout(self.rmsnorm(cema_out), cfg.hidden_dropout, self.training))
         length = x.shape[1]
         rebuild = torch.is_grad_enabled() and cfg.rebuilds_linears(length)
         z, v, r_pre, rebuild_pre = self._qkv(x_hat, m, rebuild)
@@ -415,7 +417,7 @@ class NormalizedFFN(nn.Module):
             nn.init.constant_(self.alpha, 0.1 * 0.5**self.layer_index)
 
     def forward(self, y: Tensor) -> Tensor:
-        u = self.norm(y)
+        u = autocast_input(self.norm(y))  # fc1, fc3 (and their rebuilds) share one stored copy
         b = None if self.fc3 is None else self.fc3(u)
         if self.training and self.cfg.hidden_dropout > 0:
             a = F.silu(self.fc1(u))
