@@ -191,6 +191,24 @@ def test_autocast_keeps_logits_and_norms_float32(monkeypatch):
     assert seen and all(d == (torch.bfloat16,) * 3 for d in seen)
 
 
+def test_autocast_linears_share_one_stored_input():
+    """Under bf16 autocast W_q, W_k, W_v store one bf16 copy of the attention norm's output and W_1, W_3 one
+    of the FFN norm's (each Linear cast its input itself before: five copies per block, not two), the same
+    single cast as Megalodon's blocks (a fair memory comparison). The third D-wide input is W_o's."""
+    from mega_suite.memory import stored_for_backward
+
+    model = make(dtype=torch.float32, num_layers=1).train()
+    x = tokens(2, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.hidden_states(x)
+    stored = stored_for_backward(hidden, exclude=list(model.parameters()))
+    linear_inputs = sum(
+        n for (node, attr, shape, dtype), n in stored.items()
+        if node == "MmBackward0" and attr == "self" and dtype == "torch.bfloat16" and shape[-1] == CFG["model_dim"]
+    )  # fmt: skip
+    assert linear_inputs == 3 * x.numel() * CFG["model_dim"] * 2, stored.most_common()
+
+
 def test_tied_initial_loss_is_near_uniform():
     """With tied embeddings the last hidden state starts close to the input token's own embedding, so the
     init must keep that token's logit small: the initial loss is ≈ ln V (GPT-2's std 0.02; D^-1/2 gave 13.9

@@ -179,3 +179,20 @@ def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     x0, x1 = xr[..., 0], xr[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
     return out.to(x.dtype)
+
+
+def autocast_input(x: Tensor) -> Tensor:
+    """``x`` cast once to the dtype autocast would give a Linear reading it (unchanged outside autocast).
+
+    Autocast casts an activation per op, so each Linear reading a float32 ``x`` stores its own bf16 copy for
+    backward, and a rebuild closure holding ``x`` would keep the float32 one alive beside them. Cast once,
+    every Linear (and the rebuild) reads, and stores, the same tensor; the values are the same."""
+    device = x.device.type
+    if (
+        x.dtype == torch.float32
+        and torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+    ):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype) if dtype != torch.float32 else x
+    return x

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mega_suite.models.common import Backbone, OutputProjection, RMSNorm, init_all, rope
+from mega_suite.models.common import Backbone, OutputProjection, RMSNorm, autocast_input, init_all, rope
 
 
 @dataclass
@@ -128,8 +128,9 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         p, train = self.cfg.dropout, self.training
-        h = x + F.dropout(self.attention(self.attention_norm(x)), p, train)
-        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), p, train)
+        # the norms' outputs in the Linears' autocast dtype once: W_q, W_k, W_v (W_1, W_3) store one copy
+        h = x + F.dropout(self.attention(autocast_input(self.attention_norm(x))), p, train)
+        return h + F.dropout(self.feed_forward(autocast_input(self.ffn_norm(h))), p, train)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kernels.recompute import recompute
 
-__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "rebuild_linear", "autocast_input", "dropout"]
+__all__ = ["silu_gate_linear", "recompute", "recompute_saved", "rebuild_linear", "dropout"]
 
 
 class _SiluGateLinear(torch.autograd.Function):
@@ -174,20 +174,3 @@ def rebuild_linear(x: Tensor, weight: Tensor, bias: Tensor | None, like: Tensor)
         return value[0]
 
     return fn
-
-
-def autocast_input(x: Tensor) -> Tensor:
-    """``x`` cast once to the dtype autocast would give a Linear reading it (unchanged outside autocast).
-
-    Autocast casts an activation per op, so each Linear reading a float32 ``x`` stores its own bf16 copy for
-    backward, and a rebuild closure holding ``x`` would keep the float32 one alive beside them. Cast once,
-    every Linear (and the rebuild) reads, and stores, the same tensor; the values are the same."""
-    device = x.device.type
-    if (
-        x.dtype == torch.float32
-        and torch.amp.is_autocast_available(device)
-        and torch.is_autocast_enabled(device)
-    ):
-        dtype = torch.get_autocast_dtype(device)
-        return x.to(dtype) if dtype != torch.float32 else x
-    return x

@@ -29,6 +29,7 @@ from mega_suite.models.common import (
     Backbone,
     OutputProjection,
     RMSNorm,
+    autocast_input,
     float32_island,
     init_all,
     init_linear,
@@ -37,7 +38,6 @@ from mega_suite.models.common import (
 from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.config import MegalodonConfig
 from mega_suite.models.megalodon.lean import (
-    autocast_input,
     dropout,
     rebuild_linear,
     recompute,
