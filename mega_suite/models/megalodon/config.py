@@ -26,9 +26,9 @@ class MegalodonConfig:
     attention_dropout: float = 0.0  # dropout on attention probabilities
     drop_path: float = 0.0  # stochastic depth rate (classification, e.g. ImageNet 0.3), linear over depth
     cema_method: str = "auto"  # auto | fft | chunked | sequential
-    # auto | always | never: whenever autograd records, rebuild X̂ W_v + b, M W_r + b and the FFN's u W_1 (u W_3) in backward
-    # from inputs kept anyway, instead of storing them (2E + F or 2E + 2F floats per token and layer, one
-    # GEMM each); auto: when that is <= 5% of the block's FLOPs (``rebuilds_linears``)
+    # auto | always | never: whenever autograd records, rebuild X̂ W_v + b, M W_r + b and the FFN's u W_1
+    # (u W_3) in backward from inputs kept anyway, instead of storing them (2E + F or 2E + 2F floats per token
+    # and layer, one GEMM each); auto: when that is <= 5% of the block's FLOPs (``rebuilds_linears``)
     recompute_linears: str = "auto"
     # --- language model (SPEC §5) ---
     vocab_size: int = 32000  # V
