@@ -103,8 +103,10 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
     modelled as a + b·D + g·c (chunked attention keeps h·c scores per token) and fitted on 1- and 2-layer
     runs at (D/16, c/16), (D/8, c/16), (D/16, c/8) -- sequence = one context, so each run is small.
     Megalodon's ``recompute_linears=auto`` is decided for the full model at c and kept in the small runs."""
+    note = ""
     if hasattr(mcfg, "rebuilds_linears"):
         decided = "always" if mcfg.rebuilds_linears(context or mcfg.chunk_size) else "never"
+        note = f"model.recompute_linears={mcfg.recompute_linears}: {'on' if decided == 'always' else 'off'}; "
         mcfg = dataclasses.replace(mcfg, recompute_linears=decided)
 
     def per_layer(divisor: int, ctx: int | None, length: int) -> tuple[int, float]:
@@ -122,7 +124,7 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
     if patch:  # the image fixes the sequence: scale the width only
         (w1, b1), (w2, b2) = per_layer(coarse, None, 0), per_layer(fine, None, 0)
         full = b2 + (b2 - b1) / (w2 - w1) * (mcfg.model_dim - w2)
-        return full, f"{b1:.0f} B at D={w1}, {b2:.0f} B at D={w2}, linear in D to D={mcfg.model_dim}"
+        return full, note + f"{b1:.0f} B at D={w1}, {b2:.0f} B at D={w2}, linear in D to D={mcfg.model_dim}"
     c1, c2 = max(8, context // 16), max(16, context // 8)
     (w1, b11), (w2, b21) = per_layer(coarse, c1, c1), per_layer(fine, c1, c1)
     b12 = per_layer(coarse, c2, c2)[1]
@@ -131,7 +133,7 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
     slope_d, slope_c = (b21 - b11) / (w2 - w1), max(0.0, (b12 - b11) / (c2 - c1))
     full = b11 + slope_d * (mcfg.model_dim - w1) + slope_c * (context - c1)
     full = max(full, b21)
-    how = (
+    how = note + (
         f"{b11:.0f} B at (D={w1}, c={c1}), {b21:.0f} B at (D={w2}, c={c1}), {b12:.0f} B at (D={w1}, c={c2}); "
         f"a + b*D + g*c (g >= 0) gives {full:.0f} B at (D={mcfg.model_dim}, c={context})"
     )
