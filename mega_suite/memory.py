@@ -1,6 +1,9 @@
 """What autograd stores for backward, found by walking the graph (torch only: ``bench/saved_bytes.py`` loads
 this file by path, so that it can measure an older checkout's model with it).
 
+``malloc_live_bytes`` is the check from the other side: what the process's allocator has handed out, so a
+tensor kept alive outside the graph (by a closure) shows up there and not in the walk.
+
 Saved-tensor hooks cannot count this: only the innermost pair of hooks applies, so a counter installed around
 a forward misses whatever is saved inside a model's own hooks (``lean.recompute_saved``, activation
 checkpointing), and sees tensors those hooks do not store. The graph walk reads every saved tensor back
@@ -10,6 +13,7 @@ instead, the way backward would.
 from __future__ import annotations
 
 import collections
+import ctypes
 from collections.abc import Callable, Iterable
 
 import torch
@@ -64,3 +68,19 @@ def stored_for_backward(
                 by[type(fn).__name__, name, tuple(t.shape), str(t.dtype)] += storage.nbytes()
         stack.extend(f for f, _ in fn.next_functions)
     return by
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def malloc_live_bytes() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap in use + mmapped blocks), from
+    ``mallinfo2``; raises OSError / AttributeError where there is no glibc >= 2.33."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd

@@ -2,7 +2,6 @@
 against plain autograd and finite differences in float64, dropout draw for draw equal to F.dropout, and the
 bytes a tiny block keeps per token."""
 
-import ctypes
 import gc
 import weakref
 
@@ -152,21 +151,6 @@ def test_rebuild_linear_under_bf16_autocast_gives_forward_bits():
     torch.testing.assert_close(got, y, rtol=0, atol=0)
 
 
-def _malloc_live_bytes() -> int:
-    """Bytes glibc's malloc has handed out and not taken back (heap in use + mmapped blocks)."""
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [
-            (n, ctypes.c_size_t)
-            for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-        ]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
 def _block_and_input(classifier: bool, rebuild: str, length: int, batch: int):
     """A tiny train-mode block (D = 16, Z = 8, E = 16, F = 32 SwiGLU, C = length), its input [B, L, D] and
     a padding mask (the second half of the batch padded over its last quarter; used by the classifier)."""
@@ -189,10 +173,10 @@ def test_block_keeps_alive_only_what_it_saves(classifier, rebuild, bf16):
     (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures. Under
     bf16 autocast too, where each Linear stores its own bf16 copy of its input: the rebuilds must read those,
     not keep the float32 M and u alive beside them."""
-    from mega_suite.memory import stored_for_backward
+    from mega_suite.memory import malloc_live_bytes, stored_for_backward
 
     try:
-        _malloc_live_bytes()
+        malloc_live_bytes()
     except (OSError, AttributeError):
         pytest.skip("needs glibc's mallinfo2")
     block, x, mask = _block_and_input(classifier, rebuild, length=512, batch=8)
@@ -200,11 +184,11 @@ def test_block_keeps_alive_only_what_it_saves(classifier, rebuild, bf16):
     with autocast:
         block(x, mask)  # warm-up: allocator pools, lazily built tables
     gc.collect()
-    before = _malloc_live_bytes()
+    before = malloc_live_bytes()
     with autocast:
         out = block(x, mask)[0]
     gc.collect()
-    live = _malloc_live_bytes() - before
+    live = malloc_live_bytes() - before
     stored = stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)
     saved = sum(stored.values()) + out.untyped_storage().nbytes()
     assert abs(live - saved) <= 0.02 * saved + 128 * 1024, (live, saved, x.numel() * 4)
