@@ -154,6 +154,32 @@ def test_multi_block_chunks_and_split_dv(causal):
     assert_close_all(got, want, **FP32)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["plain", "dropkey"])
+def test_one_compiled_chunk_for_many_short_lengths(monkeypatch, p):
+    """Length-bucketed classification batches bring a new length almost every step. CHUNK is a compile-time
+    constant and an autotune key, so if it followed the length, each step would compile and autotune all
+    four kernels again (the first H100 run of lra_listops did not reach step 25 in 4 minutes). One chunk
+    shorter than chunk_size is compiled for a power of two >= its length (capped at chunk_size), and the
+    results stay exact."""
+    chunks = []
+    launch = fused._launch
+
+    def spy(tuned, grid_fn, args, meta, tuned_keys):
+        chunks.append(meta["CHUNK"])
+        launch(tuned, grid_fn, args, meta, tuned_keys)
+
+    monkeypatch.setattr(fused, "_launch", spy)
+    B, H, dk, dv, C, seed = 2, 1, 16, 8, 64, 99
+    for L in (40, 45, 57, 63):
+        q, k, v, do = make_inputs(B, L, H, dk, dv, seed=L)
+        kpm = padding(B, L, C, seed=L)
+        got = run_fused(q, k, v, do, C, True, kpm, p, seed)
+        dropped = fused.dropkey_mask(seed, B, H, L, C, p, device=DEVICE).cpu()
+        want = run_reference64(dropkey_oracle, q, k, v, do, C, True, kpm, dropped)
+        assert_close_all(got, want, **FP32)
+    assert set(chunks) == {64}, f"kernels compiled for CHUNK {sorted(set(chunks))}; expected one (64)"
+
+
 def test_strided_inputs_and_broadcast_cotangent():
     """q, k sliced from one packed projection, v stored [B, h, L, dv], and o.sum()'s stride-0 cotangent."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 11, 8

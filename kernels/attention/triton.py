@@ -545,6 +545,19 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
 
 
+def _chunk_shape(chunk_size: int, length: int) -> tuple[int, int, int]:
+    """(c, nc, CHUNK) for a sequence of ``length`` tokens: c = min(chunk_size, length) tokens per chunk (the
+    grids), nc chunks, and the CHUNK constexpr the kernels are compiled for. CHUNK is an autotune key and a
+    compile-time constant, so a CHUNK that followed every batch's length would compile and autotune all four
+    kernels afresh for each new length (length-bucketed classification batches: a new length almost every
+    step, minutes of compiling per step on a GPU). A single chunk only needs CHUNK >= length (the kernels
+    bound every loop by the runtime chunk length), so it is rounded up to a power of two, capped at
+    chunk_size: at most log2(chunk_size) compiled variants per model, whatever the lengths."""
+    c = min(chunk_size, length)
+    key = c if length >= chunk_size else min(_pow2(length), chunk_size)
+    return c, triton.cdiv(length, c), key
+
+
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel: short lists, since every entry is compiled on first use.
 # Chosen from an offline sm_90 compile (registers / spills, no GPU run): the dK/dV kernels want few query
 # rows per key block, the dQ kernel few key rows per query block.
@@ -682,8 +695,7 @@ def attention_forward(
     lse = _alloc((b, h, length), torch.float32, q.device)
     if length == 0:
         return o, lse
-    c = min(chunk_size, length)
-    nc = triton.cdiv(length, c)
+    c, nc, chunk_key = _chunk_shape(chunk_size, length)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     grid = lambda meta: (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(dv, meta["BLOCK_DV"]), nc, b * h)
@@ -693,7 +705,7 @@ def attention_forward(
         length, h, float(dropout_p),
     )  # fmt: skip
     meta = dict(
-        CHUNK=c, DK=dk, DV=dv, CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout,
+        CHUNK=chunk_key, DK=dk, DV=dv, CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout,
         INPUT_PRECISION=_input_precision(q.dtype), BLOCK_DK=_pow2(dk),
     )  # fmt: skip
     _launch(_fwd_tuned, grid, args, meta, ("BLOCK_M", "BLOCK_N", "BLOCK_DV"))
@@ -722,8 +734,7 @@ def attention_backward(
     dv_out = _alloc(v.shape, v.dtype, v.device)
     if length == 0:
         return dq, dk_out, dv_out
-    c = min(chunk_size, length)
-    nc = triton.cdiv(length, c)
+    c, nc, chunk_key = _chunk_shape(chunk_size, length)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     seed = seed if dropout else None
@@ -738,7 +749,13 @@ def attention_backward(
     )
 
     common = dict(
-        CHUNK=c, DK=dk, DV=dv, CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout, INPUT_PRECISION=ip
+        CHUNK=chunk_key,
+        DK=dk,
+        DV=dv,
+        CAUSAL=bool(causal),
+        HAS_KPM=has_kpm,
+        DROPOUT=dropout,
+        INPUT_PRECISION=ip,
     )
     # dV inside the dK kernel when the whole value width fits one tile; else a dv-tiled kernel of its own,
     # and the dK / dQ kernels accumulate dP over value tiles of a fixed width.
