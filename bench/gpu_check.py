@@ -235,7 +235,7 @@ def stage_cuda_tests() -> Outcome:
     """The kernel tests on CUDA (natively: conftest sets TRITON_INTERPRET only without CUDA) and the
     tests marked ``gpu``; a skip that says CUDA is missing is a failure here."""
     rc, out = _pytest(list(CUDA_TEST_FILES), timeout=160)
-    rc_gpu, out_gpu = _pytest(["-m", "gpu", "tests"], timeout=40)
+    rc_gpu, out_gpu = _pytest(["-m", "gpu", "tests"], timeout=120)  # Inductor compiles (test_compile)
     lines = (out + out_gpu).splitlines()
     summary = [line for line in lines if re.search(r"\d+ (passed|failed|error)|^(FAILED|ERROR) ", line)]
     cuda_skips = [line for line in lines if "SKIPPED" in line and "CUDA" in line]
@@ -526,7 +526,7 @@ def stage_listops(out_dir: Path | None = None) -> Outcome:
 
 
 STAGES: list[tuple[str, float, Callable[[], Outcome]]] = [
-    ("cuda_tests", 210, stage_cuda_tests),
+    ("cuda_tests", 290, stage_cuda_tests),
     ("model_step", 120, stage_model_step),
     ("kernels", 180, stage_kernels),
     ("block", 100, stage_block),

@@ -35,13 +35,14 @@ def make(kind: str, compile_: bool):
     return module
 
 
-def loss_of(module, kind: str):
+def loss_of(module, kind: str, device: str = "cpu"):
     gen = torch.Generator().manual_seed(0)
     if kind == "lm":
-        tokens = torch.randint(0, 13, (2, 17), generator=gen)
+        tokens = torch.randint(0, 13, (2, 17), generator=gen).to(device)
         nll, count = module.lm_loss({"input": tokens[:, :-1], "target": tokens[:, 1:]})
         return nll / count
     batch = {"input": torch.randint(0, 13, (2, 16), generator=gen), "label": torch.tensor([0, 2])}
+    batch = {k: v.to(device) for k, v in batch.items()}
     return module.loss(module(batch), batch["label"])
 
 
@@ -94,3 +95,32 @@ def test_a_block_compiles_without_graph_breaks(kind):
     out, _ = compiled(x)
     out.square().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_inductor_on_cuda_equals_eager(kind, monkeypatch):
+    """``trainer.compile=true`` as users get it on a GPU: Inductor (its Triton kernels around our Triton
+    custom ops), train mode. ``fallback_random`` makes Inductor draw dropout from the eager generator, so both
+    runs drop the same units; the rest differs by fusion order only (float32 rounding)."""
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    torch._dynamo.reset()
+    eager = make(kind, compile_=False).cuda()
+    compiled = copy.deepcopy(eager)
+    compiled.trainer_cfg.update(compile=True, compile_backend="inductor")
+    compiled.configure_model()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    results = []
+    for module in (eager, compiled):
+        module.model.train()
+        torch.manual_seed(3)
+        loss = loss_of(module, kind, device="cuda")
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in module.model.parameters()]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames, "nothing was compiled"
+    (le, ge), (lc, gc) = results
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

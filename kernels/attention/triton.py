@@ -547,15 +547,14 @@ def _pow2(n: int) -> int:
 
 def _chunk_shape(chunk_size: int, length: int) -> tuple[int, int, int]:
     """(c, nc, CHUNK) for a sequence of ``length`` tokens: c = min(chunk_size, length) tokens per chunk (the
-    grids), nc chunks, and the CHUNK constexpr the kernels are compiled for. CHUNK is an autotune key and a
-    compile-time constant, so a CHUNK that followed every batch's length would compile and autotune all four
-    kernels afresh for each new length (length-bucketed classification batches: a new length almost every
-    step, minutes of compiling per step on a GPU). A single chunk only needs CHUNK >= length (the kernels
-    bound every loop by the runtime chunk length), so it is rounded up to a power of two, capped at
-    chunk_size: at most log2(chunk_size) compiled variants per model, whatever the lengths."""
+    grids), nc chunks, and the CHUNK constexpr the kernels are compiled for: always chunk_size. CHUNK is a
+    compile-time constant and an autotune key, so a CHUNK that followed a short sequence's length would
+    compile and autotune all four kernels afresh for each new length (length-bucketed classification
+    batches: a new length almost every step, minutes of compiling per step on a GPU). The kernels need only
+    chunk * CHUNK as the chunk's start and min(CHUNK, L - start) as its length, which for a single chunk
+    (nc = 1) is 0 and L for any CHUNK >= L; the grids use c, so no program is launched for rows past L."""
     c = min(chunk_size, length)
-    key = c if length >= chunk_size else min(_pow2(length), chunk_size)
-    return c, triton.cdiv(length, c), key
+    return c, triton.cdiv(length, c), chunk_size
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel: short lists, since every entry is compiled on first use.
