@@ -59,12 +59,12 @@ def time_ms(fn, device: torch.device, reps: int, warmup: int = 3) -> list[float]
     return out
 
 
-def count_launches(fn, device: torch.device) -> tuple[int, int]:
-    """(device operations run, host launch calls) of one call of ``fn``, from torch.profiler."""
+def count_launches(fn, device: torch.device) -> tuple[int, int, object]:
+    """(device operations run, host launch calls, the profile) of one call of ``fn``, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
-        return 0, 0
+        return 0, 0, None
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
@@ -72,7 +72,7 @@ def count_launches(fn, device: torch.device) -> tuple[int, int]:
     events = prof.events()
     on_device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     host = sum(1 for e in events if e.name in LAUNCH_CALLS)
-    return on_device, host
+    return on_device, host, prof
 
 
 def plan_bytes(plan) -> int:
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=["bfloat16", "float32", "int8"], default="bfloat16")
     ap.add_argument(
         "--compile", action="store_true", help="add the static step compiled by torch.compile (Inductor)"
+    )
+    ap.add_argument(
+        "--profile", type=int, default=0, help="CUDA: the top N kernels of each path by device time"
     )
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     fl = floors(nbytes, device)
     print(f"copy {fl['copy_bw'] / 1e12:.2f} TB/s (r+w), bf16 GEMV {fl['mv_bw'] / 1e12:.2f} TB/s", flush=True)
 
-    rows, it = [], iter(steps)
+    rows, it, profiles = [], iter(steps), ""
 
     def eager_step():
         nonlocal cache
@@ -180,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(("CUDA graph of the compiled step", lambda: compiled_graphs.step(next(it))))
     for name, fn in paths:
         ms = time_ms(fn, device, args.tokens)
-        kernels, launches = count_launches(fn, device)
+        kernels, launches, prof = count_launches(fn, device)
+        if args.profile and prof is not None:
+            from bench.gpu_profile import kernel_rows
+
+            krows, total, _ = kernel_rows(prof, args.profile)
+            profiles += f"\n### {name}: {total:.2f} ms of kernels per token\n\n"
+            profiles += markdown_table(["kernel", "calls", "ms", "share"], krows) + "\n"
         med = statistics.median(ms)
         rows.append([name, f"{med:.2f}", f"{min(ms):.2f}", f"{med / fl['copy']:.2f}", f"{med / fl['mv']:.2f}",
                      kernels or "-", launches or "-"])  # fmt: skip
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(
         ["path", "ms/token (median)", "min", "/ copy floor", "/ GEMV floor", "device ops per token",
          "host launch calls per token"], rows)  # fmt: skip
-    text = head + table + ("\n\n" + check.strip() if check else "") + "\n"
+    text = head + table + ("\n\n" + check.strip() if check else "") + "\n" + profiles
     print("\n" + text)
     if args.out:
         args.out.write_text(text)

@@ -144,7 +144,9 @@ def test_deterministic():
 def test_complex_gradient_convention():
     """G_z = ∂L/∂Re z + i ∂L/∂Im z (PyTorch's convention): check q's gradient by a finite difference."""
     *tensors, mask = make_case(1, 7, 3, 2, seed=9, h0=True)
-    x, p, q, gamma, omega, h0 = (t.to(torch.complex64 if t.is_complex() else torch.float32) for t in tensors)
+    x, p, q, gamma, omega, h0 = (
+        t.to(DEVICE, torch.complex64 if t.is_complex() else torch.float32) for t in tensors
+    )
     q = q.requires_grad_()
     y, h = fused.cema(x, p, q, gamma, omega, h0=h0, return_state=True)
     loss = lambda y, h: y.double().square().sum() + h.abs().double().sum()

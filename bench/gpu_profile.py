@@ -1,0 +1,92 @@
+"""Where a 7B-width block's GPU time goes: torch.profiler's kernel table for one Megalodon and one Llama block.
+
+    python -m bench.gpu_profile                 # L = 4096, bf16-mixed, forward + backward, top 30 kernels
+    python -m bench.gpu_profile --length 32768 --top 20
+
+The blocks are gpu_check's ``block`` stage's (bench/block.py ``build_block`` at the 7B widths). After three
+warm-up steps (Triton autotune, cuBLAS heuristics), one step is profiled; the table lists the device kernels
+by total device time, with the share of the step each takes, so the gap between the two blocks can be
+attributed to kernels rather than guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.common import markdown_table
+
+
+def kernel_rows(prof, top: int) -> tuple[list[list], float, int]:
+    """(rows of [kernel, calls, total ms, share], total device ms, kernel count) from a finished profile."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) <= 70 else e.name[:67] + "..."
+            totals[name][0] += 1
+            totals[name][1] += e.device_time_total / 1e3
+    total = sum(v[1] for v in totals.values())
+    count = sum(int(v[0]) for v in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    rows = [[f"`{n}`", int(c), f"{ms:.3f}", f"{ms / total:.1%}"] for n, (c, ms) in ranked]
+    return rows, total, count
+
+
+def profile_block(kind: str, length: int, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import block as bb
+
+    torch.manual_seed(0)
+    block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
+    x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
+    ct = torch.randn(1, length, 4096, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(ct)
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows, total, count = kernel_rows(prof, top)
+    head = f"### {kind}, L {length}: {total:.2f} ms of kernels, {count} kernels per step\n\n"
+    return head + markdown_table(["kernel", "calls", "ms", "share"], rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gpu_profile: needs a CUDA device", file=sys.stderr)
+        return 2
+    text = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16-mixed, fwd + bwd, batch 1\n\n"
+    for kind in ("megalodon", "llama"):
+        part = profile_block(kind, args.length, args.top)
+        print(part, flush=True)
+        text += part + "\n"
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
