@@ -425,8 +425,9 @@ def stage_kernels() -> Outcome:
 BLOCK_LENGTHS = (4096, 32768)
 
 
-def _block_ms(kind: str, length: int) -> float:
-    """Median fwd+bwd time (ms) of one 7B-width block, bf16-mixed, batch 1."""
+def _block_ms(kind: str, length: int, compile: bool = False) -> float:
+    """Median fwd+bwd time (ms) of one 7B-width block, bf16-mixed, batch 1 (``compile``: torch.compile'd,
+    Inductor, as ``trainer.compile=true`` compiles each block)."""
     import torch
     import triton.testing
 
@@ -434,12 +435,13 @@ def _block_ms(kind: str, length: int) -> float:
 
     torch.manual_seed(0)
     block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
+    run = torch.compile(block) if compile else block
     x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
     ct = torch.randn(1, length, 4096, device="cuda")
 
     def step():
         with torch.autocast("cuda", torch.bfloat16):
-            out = block(x)
+            out = run(x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(ct)
 

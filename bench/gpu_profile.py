@@ -2,6 +2,7 @@
 
     python -m bench.gpu_profile                 # L = 4096, bf16-mixed, forward + backward, top 30 kernels
     python -m bench.gpu_profile --length 32768 --top 20
+    python -m bench.gpu_profile --walls 4096,32768    # wall ms, eager and torch.compile'd, no profile
 
 The blocks are gpu_check's ``block`` stage's (bench/block.py ``build_block`` at the 7B widths). After three
 warm-up steps (Triton autotune, cuBLAS heuristics), one step is profiled; the table lists the device kernels
@@ -69,15 +70,41 @@ def profile_block(kind: str, length: int, top: int) -> str:
     return head + markdown_table(["kernel", "calls", "ms", "share"], rows) + "\n"
 
 
+def walls(lengths: list[int], out: Path | None) -> int:
+    """Median fwd+bwd wall ms of each block, eager and compiled (gpu_check's ``_block_ms``), and M / L."""
+    import time
+
+    from bench.gpu_check import _block_ms
+
+    rows = []
+    for compiled in (False, True):
+        for length in lengths:
+            t0 = time.perf_counter()
+            t = {kind: _block_ms(kind, length, compile=compiled) for kind in ("megalodon", "llama")}
+            torch.cuda.empty_cache()
+            rows.append(["torch.compile" if compiled else "eager", length, f"{t['megalodon']:.1f}",
+                         f"{t['llama']:.1f}", f"{t['megalodon'] / t['llama']:.2f}",
+                         f"{time.perf_counter() - t0:.0f}"])  # fmt: skip
+            print(" | ".join(map(str, rows[-1])), flush=True)
+    text = markdown_table(["mode", "L", "Megalodon ms", "Llama ms", "M / L", "s (incl. compile)"], rows)
+    print("\n" + text)
+    if out:
+        out.write_text(text + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--walls", default=None, help="comma list of lengths: wall ms eager and compiled instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu_profile: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.walls:
+        return walls([int(n) for n in args.walls.split(",")], args.out)
     text = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16-mixed, fwd + bwd, batch 1\n\n"
     for kind in ("megalodon", "llama"):
         part = profile_block(kind, args.length, args.top)

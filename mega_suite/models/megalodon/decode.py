@@ -44,6 +44,12 @@ def mkldnn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
 
 
+CUDA_ROW_GEMV = (
+    "mv"  # one-row bf16 GEMV on CUDA: "mv" (torch.mv) or "mm" (x @ Wᵀ, a cuBLAS GEMM under Inductor)
+)
+INDUCTOR_OPTIONS: dict = {}  # torch.compile(options=...) of StaticDecoder's step, e.g. coordinate descent tuning
+
+
 class Gemv:
     """y = x Wᵀ + b (+ add) for x [B, I] float32 -> [B, O] float32, with W stored for one kernel.
 
@@ -87,7 +93,8 @@ class Gemv:
         elif self.kind == "mkldnn":
             y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
         else:  # "rows": W [O, I]
-            y = torch.mv(self.w, xl[0])[None] if xl.shape[0] == 1 else xl @ self.w.t()
+            one_row = xl.shape[0] == 1 and not (xl.is_cuda and CUDA_ROW_GEMV == "mm")
+            y = torch.mv(self.w, xl[0])[None] if one_row else xl @ self.w.t()
         y = y.float()
         if bias is not None:
             y = y.add_(bias)
@@ -474,7 +481,9 @@ class StaticDecoder:
         # decoder its own cache (static weight shapes, one guard set to check, no shared recompile limit).
         fn = StaticDecoder._step_rows
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-        compiled = torch.compile(types.MethodType(own, self), fullgraph=True)
+        compiled = torch.compile(
+            types.MethodType(own, self), fullgraph=True, options=INDUCTOR_OPTIONS or None
+        )
         device = self.rows.device.type
 
         warm = False
