@@ -97,40 +97,6 @@ def floors(nbytes: int, device: torch.device) -> dict[str, float]:
     return {"copy_bw": copy_bw, "mv_bw": mv_bw, "copy": nbytes / copy_bw * 1e3, "mv": nbytes / mv_bw * 1e3}
 
 
-def run_variants(model, cache, steps, fl, args) -> int:
-    """The CUDA graph of the compiled step for each one-row GEMV form and Inductor setting, side by side."""
-    from bench.gpu_profile import kernel_rows
-    from mega_suite.models.megalodon import decode
-
-    rows, it = [], iter(steps)
-    first = steps[:1]
-    with torch.no_grad():
-        want, _ = model(first.view(1, 1), cache)
-    for gemv in ("mv", "mm"):
-        for tuning in ("default", "coordinate descent"):
-            decode.CUDA_ROW_GEMV = gemv
-            decode.INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True} if tuning != "default" else {}
-            torch._dynamo.reset()
-            t0 = time.perf_counter()
-            dec = decode.StaticDecoder(model, cache, compile=True)
-            err = float((dec.step(first) - want[:, 0]).abs().max() / want.abs().max())
-            built = time.perf_counter() - t0
-            cuda = torch.device("cuda")
-            ms = time_ms(lambda d=dec: d.step(next(it)), cuda, args.tokens)
-            _, _, prof = count_launches(lambda d=dec: d.step(next(it)), cuda)
-            _, k_ms, n = kernel_rows(prof, 1)
-            med = statistics.median(ms)
-            rows.append([gemv, tuning, f"{built:.0f}", f"{med:.2f}", f"{min(ms):.2f}", f"{med / fl['copy']:.2f}",
-                         f"{k_ms:.2f}", n, f"{err:.1e}"])  # fmt: skip
-            print(" | ".join(map(str, rows[-1])), flush=True)
-    text = markdown_table(["one-row GEMV", "Inductor", "build s", "ms/token", "min", "/ copy floor",
-                           "kernel ms", "kernels", "vs eager"], rows)  # fmt: skip
-    print("\n" + text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="megalodon_7b")
@@ -144,11 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--profile", type=int, default=0, help="CUDA: the top N kernels of each path by device time"
-    )
-    ap.add_argument(
-        "--variants",
-        action="store_true",
-        help="CUDA: only the compiled graph, for each one-row GEMV (mv, mm) x Inductor tuning (off, coordinate descent)",
     )
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
@@ -193,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             logits, cache = model(next(it).view(1, 1), cache)
         return logits
 
-    if args.variants:
-        return run_variants(model, cache, steps, fl, args)
     static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
     graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
     # CUDA and --compile: Inductor's fused kernels, captured (fewer kernels per graph)
