@@ -7,6 +7,7 @@ kernel wrote shows up in the outputs or gradients. GPU-only tests (bf16, L = 32K
 """
 
 import os
+import types
 
 import torch
 
@@ -139,6 +140,21 @@ def test_deterministic():
     second = run(fused, tensors, mask, False, F32, DEVICE, chunk_size=4)
     for a, b in zip(first[0] + first[1], second[0] + second[1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["L7-h0-pad", "bidir-L65-pad-chunk16"])
+def test_torch_compile_keeps_one_graph(case):
+    """The kernels are two custom ops with fake implementations, so torch.compile traces a call whole
+    (fullgraph: no graph break) and gives the eager kernels' outputs and gradients. Before, the entry point
+    was ``torch.compiler.disable``d: a compiled block on CUDA broke its graph at every CEMA."""
+    B, L, D, N, bidirectional, h0, padding, chunk = CASES[case]
+    *tensors, mask = make_case(B, L, D, N, seed=3, bidirectional=bidirectional, h0=h0, padding=padding)
+    torch._dynamo.reset()
+    compiled = types.SimpleNamespace(cema=torch.compile(fused.cema, backend="aot_eager", fullgraph=True))
+    got = run(compiled, tensors, mask, bidirectional, F32, DEVICE, chunk_size=chunk)
+    want = run(fused, tensors, mask, bidirectional, F32, DEVICE, chunk_size=chunk)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_complex_gradient_convention():

@@ -72,33 +72,46 @@ def _attention(b, length, h, dk, dv, chunk, causal, dtype, padding, dropout):
 
 
 def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=False):
+    """The custom ops' implementations, called directly: the ops themselves run their fake kernels on meta
+    tensors."""
     import torch
 
     from kernels.cema import triton as fused
 
     rows = 2 * d if bidirectional else d
-    x = _meta(b, length, d, dtype=dtype, grad=True)
-    p = _meta(rows, n, grad=True)
-    q = _meta(rows, n, dtype=torch.complex64, grad=True)
-    gamma = _meta(rows, n, dtype=torch.complex64, grad=True)
-    omega = _meta(d, grad=True)
-    h0 = _meta(b, d, n, dtype=torch.complex64, grad=True) if state else None
-    pad = torch.zeros(b, length, dtype=torch.bool, device="meta") if padding else None
-    y, h_last = fused.cema(x, p, q, gamma, omega, h0, bidirectional, pad, return_state=state)
-    outs = [y] + ([h_last.real, h_last.imag] if state else [])
-    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    x = _meta(b, length, d, dtype=dtype)
+    p, omega = _meta(rows, n), _meta(d)
+    q_re, q_im, g_re, g_im = (_meta(rows, n) for _ in range(4))
+    h0 = (_meta(b, d, n), _meta(b, d, n)) if state else (None, None)
+    pad = torch.zeros(b, length, dtype=torch.int8, device="meta") if padding else None
+    y, h_re, h_im, states_f, states_b = fused._cema_forward(
+        x, p, q_re, q_im, g_re, g_im, omega, *h0, pad, bidirectional, None
+    )
+    gh = (torch.ones_like(h_re), torch.ones_like(h_im)) if state else (None, None)
+    fused._cema_backward(
+        torch.ones_like(y), *gh, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional,
+        state, None,
+    )  # fmt: skip
 
 
 def _norm(b, length, d, groups, dtype, padding=False):
+    """As ``_cema``: the custom ops' implementations, called directly."""
     import torch
 
     from kernels.timestep_norm import triton as fused
 
-    x = _meta(b, length, d, dtype=dtype, grad=True)
-    weight, bias = _meta(d, grad=True), _meta(d, grad=True)
-    pad = torch.zeros(b, length, dtype=torch.bool, device="meta") if padding else None
-    y, (_, mean, var) = fused.timestep_norm(x, weight, bias, groups, padding_mask=pad)
-    torch.autograd.backward([y, mean, var], [torch.ones_like(t) for t in (y, mean, var)])
+    x = _meta(b, length, d, dtype=dtype)
+    weight, bias = _meta(d), _meta(d)
+    count0 = torch.zeros(b, dtype=torch.int64, device="meta")
+    mean0, var0 = _meta(b, groups), _meta(b, groups)
+    pad = torch.zeros(b, length, dtype=torch.int8, device="meta") if padding else None
+    y, mean, var, mean_f, starts, n_final, shift = fused._tsn_forward(
+        x, weight, bias, mean0, var0, count0, pad, groups, 1e-5, None
+    )
+    fused._tsn_backward(
+        torch.ones_like(y), torch.ones_like(mean), torch.ones_like(var), x, pad, weight, count0, mean0, mean_f,
+        starts, n_final, shift, groups, 1e-5, None,
+    )  # fmt: skip
 
 
 def _dropkey_mask():

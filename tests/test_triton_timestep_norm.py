@@ -8,6 +8,7 @@ kernel wrote shows up. GPU-only tests (bf16, L = 32K, D = 4096) are skipped with
 """
 
 import os
+import types
 
 import torch
 
@@ -117,6 +118,23 @@ def test_deterministic():
     second = run(fused, tensors, count, mask, 2, torch.float32, DEVICE, block_t=4)
     for a, b in zip(first[0] + first[1], second[0] + second[1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["L7-state-pad-empty-row-tiled", "L65-odd-width"])
+def test_torch_compile_keeps_one_graph(case):
+    """The kernels are two custom ops with fake implementations, so torch.compile traces a call whole
+    (fullgraph: no graph break) and gives the eager kernels' outputs and gradients. Before, the entry point
+    was ``torch.compiler.disable``d: a compiled block on CUDA broke its graph at every TimestepNorm."""
+    B, L, D, G, state, padding, block_t = CASES[case]
+    tensors, count, mask = make_case(B, L, D, G, seed=9, state=state, padding=padding)
+    torch._dynamo.reset()
+    compiled = types.SimpleNamespace(
+        timestep_norm=torch.compile(fused.timestep_norm, backend="aot_eager", fullgraph=True)
+    )
+    got = run(compiled, tensors, count, mask, G, torch.float32, DEVICE, block_t=block_t)
+    want = run(fused, tensors, count, mask, G, torch.float32, DEVICE, block_t=block_t)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ GPU only

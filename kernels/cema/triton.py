@@ -609,67 +609,150 @@ def _backward(
     return g_p, g_q, g_gamma, g_omega.sum(0), g_h0
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops (torch.compile sees two opaque calls with known output shapes, no graph break) and autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _cema_forward(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
+    """(y, Re h_last, Im h_last, forward chunk states, backward chunk states or an empty tensor)."""
+    x = x.contiguous()
+    b, length, d = x.shape
+    n = p.shape[1]
+    cfg = _config(b, length, d, n, chunk)
+    if bidirectional:
+        fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
+        bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+        y32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
+        states_f, _ = _forward(x, pad, fwd, None, None, False, cfg, y32, False)
+        states_b, _ = _forward(x, pad, bwd, None, None, True, cfg, y32, True)
+        zeros = lambda: x.new_zeros(b, d, n, dtype=torch.float32)
+        return y32.to(x.dtype), zeros(), zeros(), states_f, states_b
+    cf = _Coefs(p, q_re, q_im, g_re, g_im, omega)
+    f = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    states_f, h_last = _forward(x, pad, cf, f(h0_re), f(h0_im), False, cfg, y, False)
+    return y, h_last[0], h_last[1], states_f, x.new_empty(0, dtype=torch.float32)
+
+
+def _cema_backward(
+    gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional, has_h0, chunk
+):  # fmt: skip
+    """(dx, G_p, Re/Im G_q, Re/Im G_γ, G_ω, Re/Im G_h0 or empty tensors), parameter gradients float32."""
+    x, gy = x.contiguous(), gy.contiguous()
+    b, length, d = x.shape
+    n = p.shape[1]
+    cfg = _config(b, length, d, n, chunk)
+    if bidirectional:
+        fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
+        bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+        dx32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
+        gp_f, gq_f, gg_f, g_omega, _ = _backward(x, pad, gy, fwd, states_f, None, False, cfg, dx32, False)
+        gp_b, gq_b, gg_b, _, _ = _backward(x, pad, gy, bwd, states_b, None, True, cfg, dx32, True)
+        dx = dx32.to(x.dtype)
+        g_p, g_q, g_g = torch.cat([gp_f, gp_b]), torch.cat([gq_f, gq_b]), torch.cat([gg_f, gg_b])
+        g_h0 = None
+    else:
+        g_last = None
+        if gh_re is not None or gh_im is not None:
+            zero = torch.zeros(b, d, n, device=x.device, dtype=torch.float32)
+            g_last = torch.stack([zero if g is None else g.to(torch.float32) for g in (gh_re, gh_im)])
+        dx = torch.empty_like(x)
+        g_p, g_q, g_g, g_omega, g_h0 = _backward(
+            x, pad, gy, _Coefs(p, q_re, q_im, g_re, g_im, omega), states_f, g_last, False, cfg, dx, False
+        )
+    empty = x.new_empty(0, dtype=torch.float32)
+    h0r, h0i = (g_h0[0], g_h0[1]) if has_h0 and g_h0 is not None else (empty, empty.clone())
+    f32 = lambda t: t.to(
+        torch.float32, memory_format=torch.contiguous_format, copy=True
+    )  # no aliased outputs
+    return (dx, f32(g_p), f32(g_q.real), f32(g_q.imag), f32(g_g.real), f32(g_g.imag), f32(g_omega),
+            f32(h0r), f32(h0i))  # fmt: skip
+
+
+@torch.library.custom_op(
+    "mega_suite::cema_fwd",
+    mutates_args=(),
+    schema="(Tensor x, Tensor p, Tensor q_re, Tensor q_im, Tensor g_re, Tensor g_im, Tensor omega, Tensor? h0_re, "
+    "Tensor? h0_im, Tensor? pad, bool bidirectional, int? chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _cema_fwd_op(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
+    return _cema_forward(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk)
+
+
+@_cema_fwd_op.register_fake
+def _(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
+    b, length, d = x.shape
+    n = p.shape[1]
+    nc = triton.cdiv(length, _config(b, length, d, n, chunk)[2])
+    state = lambda: x.new_empty(2, b, nc, d, n, dtype=torch.float32)
+    h = lambda: x.new_empty(b, d, n, dtype=torch.float32)
+    return (
+        x.new_empty(x.shape),
+        h(),
+        h(),
+        state(),
+        state() if bidirectional else x.new_empty(0, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(
+    "mega_suite::cema_bwd",
+    mutates_args=(),
+    schema="(Tensor gy, Tensor? gh_re, Tensor? gh_im, Tensor x, Tensor p, Tensor q_re, Tensor q_im, Tensor g_re, "
+    "Tensor g_im, Tensor omega, Tensor? pad, Tensor states_f, Tensor states_b, bool bidirectional, bool has_h0, "
+    "int? chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _cema_bwd_op(gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional,
+                 has_h0, chunk):  # fmt: skip
+    return _cema_backward(
+        gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional, has_h0,
+        chunk,
+    )  # fmt: skip
+
+
+@_cema_bwd_op.register_fake
+def _(gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional, has_h0,
+      chunk):  # fmt: skip
+    b, _, d = x.shape
+    n = p.shape[1]
+    plane = lambda: p.new_empty(p.shape, dtype=torch.float32)
+    h0 = lambda: x.new_empty((b, d, n) if has_h0 and not bidirectional else (0,), dtype=torch.float32)
+    return (x.new_empty(x.shape), plane(), plane(), plane(), plane(), plane(),
+            omega.new_empty(omega.shape, dtype=torch.float32), h0(), h0())  # fmt: skip
+
+
 class CEMAFunction(torch.autograd.Function):
     """Real-valued interface: complex tensors enter and leave as (real, imaginary) planes, so autograd
-    outside composes PyTorch's complex-gradient convention through ``.real`` / ``.imag`` / ``complex``."""
+    outside composes PyTorch's complex-gradient convention through ``.real`` / ``.imag`` / ``complex``.
+    The kernels run inside two custom ops (``mega_suite::cema_fwd`` / ``cema_bwd``), so torch.compile
+    keeps a block that uses them in one graph."""
 
     @staticmethod
     def forward(ctx, x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
-        x = x.contiguous()
-        b, length, d = x.shape
-        n = p.shape[1]
-        cfg = _config(b, length, d, n, chunk)
-        if bidirectional:
-            fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
-            bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
-            y32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
-            states_f, _ = _forward(x, pad, fwd, None, None, False, cfg, y32, False)
-            states_b, _ = _forward(x, pad, bwd, None, None, True, cfg, y32, True)
-            y = y32.to(x.dtype)
-            h_last = tuple(x.new_zeros(b, d, n, dtype=torch.float32) for _ in range(2))
-            ctx.save_for_backward(x, pad, states_f, states_b)
-            ctx.coefs = (fwd, bwd)
-        else:
-            cf = _Coefs(p, q_re, q_im, g_re, g_im, omega)
-            f = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
-            y = torch.empty_like(x)
-            states_f, h_last = _forward(x, pad, cf, f(h0_re), f(h0_im), False, cfg, y, False)
-            ctx.save_for_backward(x, pad, states_f, None)
-            ctx.coefs = (cf,)
-        ctx.cfg, ctx.bidirectional = cfg, bidirectional
-        ctx.has_h0 = h0_re is not None
+        y, h_re, h_im, states_f, states_b = torch.ops.mega_suite.cema_fwd(
+            x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk
+        )
+        ctx.save_for_backward(x, pad, p, q_re, q_im, g_re, g_im, omega, states_f, states_b)
+        ctx.bidirectional, ctx.chunk, ctx.has_h0 = bidirectional, chunk, h0_re is not None
         ctx.set_materialize_grads(False)
-        return y, h_last[0], h_last[1]
+        return y, h_re, h_im
 
     @staticmethod
     def backward(ctx, gy, gh_re, gh_im):
-        x, pad, states_f, states_b = ctx.saved_tensors
-        b, length, d = x.shape
-        gy = torch.zeros_like(x) if gy is None else gy.contiguous()
-        g_last = None
-        if not ctx.bidirectional and (gh_re is not None or gh_im is not None):
-            zero = torch.zeros(b, d, ctx.coefs[0].p.shape[1], device=x.device, dtype=torch.float32)
-            g_last = torch.stack([zero if g is None else g.to(torch.float32) for g in (gh_re, gh_im)])
+        x, pad, p, q_re, q_im, g_re, g_im, omega, states_f, states_b = ctx.saved_tensors
+        if gy is None:
+            gy = torch.zeros_like(x)
         if ctx.bidirectional:
-            fwd, bwd = ctx.coefs
-            dx32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
-            gp_f, gq_f, gg_f, g_omega, _ = _backward(
-                x, pad, gy, fwd, states_f, None, False, ctx.cfg, dx32, False
-            )
-            gp_b, gq_b, gg_b, _, _ = _backward(x, pad, gy, bwd, states_b, None, True, ctx.cfg, dx32, True)
-            dx = dx32.to(x.dtype)
-            g_p, g_q, g_g = torch.cat([gp_f, gp_b]), torch.cat([gq_f, gq_b]), torch.cat([gg_f, gg_b])
-            g_h0 = None
-        else:
-            dx = torch.empty_like(x)
-            g_p, g_q, g_g, g_omega, g_h0 = _backward(
-                x, pad, gy, ctx.coefs[0], states_f, g_last, False, ctx.cfg, dx, False
-            )
-        h0_grads = (g_h0[0], g_h0[1]) if ctx.has_h0 else (None, None)
-        return (dx, g_p, g_q.real, g_q.imag, g_g.real, g_g.imag, g_omega, *h0_grads, None, None, None)
+            gh_re = gh_im = None
+        dx, g_p, gq_re, gq_im, gg_re, gg_im, g_omega, gh0_re, gh0_im = torch.ops.mega_suite.cema_bwd(
+            gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, ctx.bidirectional,
+            ctx.has_h0, ctx.chunk,
+        )  # fmt: skip
+        h0_grads = (gh0_re, gh0_im) if ctx.has_h0 else (None, None)
+        return (dx, g_p, gq_re, gq_im, gg_re, gg_im, g_omega, *h0_grads, None, None, None)
 
 
-@torch.compiler.disable
 def cema(
     x: Tensor,
     p: Tensor,

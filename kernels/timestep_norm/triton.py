@@ -324,33 +324,119 @@ def _backward(x, pad, weight, gy, g_mean, g_var, count0, mean0, mean_f, saved, g
     return dx, dw_part.sum(0), db_part.sum(0), g_mean0, g_var0
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops (torch.compile sees two opaque calls with known output shapes, no graph break) and autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tsn_forward(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
+    """(y, final mean and variance float32, then for the backward: the final mean float64, the tile start
+    states [B, NC, G, 4], the final counts and the shift [B, G] float64)."""
+    x = x.contiguous()
+    cfg = _config(x.shape[1], x.shape[2] // num_groups, block_t)
+    y, mean_f, var_f, (starts, n_final, shift) = _forward(
+        x, weight.contiguous(), bias.contiguous(), count0, mean0, var0, pad, num_groups, eps, cfg
+    )
+    return y, mean_f.to(torch.float32), var_f.to(torch.float32), mean_f, starts, n_final, shift
+
+
+def _tsn_backward(gy, g_mean, g_var, x, pad, weight, count0, mean0, mean_f, starts, n_final, shift, num_groups,
+                  eps, block_t):  # fmt: skip
+    """(dx, dweight, dbias float32, the incoming mean's and variance's gradients float64)."""
+    x = x.contiguous()
+    cfg = _config(x.shape[1], x.shape[2] // num_groups, block_t)
+    return _backward(
+        x, pad, weight.contiguous(), gy.contiguous(), g_mean, g_var, count0, mean0, mean_f,
+        (starts, n_final, shift), num_groups, eps, cfg,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "mega_suite::timestep_norm_fwd",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor bias, Tensor mean0, Tensor var0, Tensor count0, Tensor? pad, "
+    "int num_groups, float eps, int? block_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _tsn_fwd_op(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
+    return _tsn_forward(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t)
+
+
+@_tsn_fwd_op.register_fake
+def _(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
+    b, length, d = x.shape
+    nc = triton.cdiv(length, _config(length, d // num_groups, block_t)[0])
+    stat = lambda dtype: x.new_empty(b, num_groups, dtype=dtype)
+    starts = x.new_empty(b, nc, num_groups, 4, dtype=torch.float32)
+    f32, f64 = torch.float32, torch.float64
+    return x.new_empty(x.shape), stat(f32), stat(f32), stat(f64), starts, stat(f64), stat(f64)
+
+
+@torch.library.custom_op(
+    "mega_suite::timestep_norm_bwd",
+    mutates_args=(),
+    schema="(Tensor gy, Tensor? g_mean, Tensor? g_var, Tensor x, Tensor? pad, Tensor weight, Tensor count0, "
+    "Tensor mean0, Tensor mean_f, Tensor starts, Tensor n_final, Tensor shift, int num_groups, float eps, "
+    "int? block_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _tsn_bwd_op(gy, g_mean, g_var, x, pad, weight, count0, mean0, mean_f, starts, n_final, shift, num_groups, eps,
+                block_t):  # fmt: skip
+    return _tsn_backward(
+        gy,
+        g_mean,
+        g_var,
+        x,
+        pad,
+        weight,
+        count0,
+        mean0,
+        mean_f,
+        starts,
+        n_final,
+        shift,
+        num_groups,
+        eps,
+        block_t,
+    )
+
+
+@_tsn_bwd_op.register_fake
+def _(
+    gy, g_mean, g_var, x, pad, weight, count0, mean0, mean_f, starts, n_final, shift, num_groups, eps, block_t
+):
+    d = x.shape[2]
+    per_channel = lambda: x.new_empty(d, dtype=torch.float32)
+    stat = lambda: x.new_empty(mean_f.shape, dtype=torch.float64)
+    return x.new_empty(x.shape), per_channel(), per_channel(), stat(), stat()
+
+
 class TimestepNormFunction(torch.autograd.Function):
+    """The kernels run inside two custom ops (``mega_suite::timestep_norm_fwd`` / ``_bwd``), so
+    torch.compile keeps a block that uses them in one graph."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
-        x = x.contiguous()
-        cfg = _config(x.shape[1], x.shape[2] // num_groups, block_t)
-        w, bias_ = weight.detach().contiguous(), bias.detach().contiguous()
-        y, mean_f, var_f, saved = _forward(
-            x, w, bias_, count0, mean0.detach(), var0.detach(), pad, num_groups, eps, cfg
+        y, mean, var, mean_f, starts, n_final, shift = torch.ops.mega_suite.timestep_norm_fwd(
+            x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t
         )
-        ctx.save_for_backward(x, pad, w, count0, mean0, mean_f, *saved)
-        ctx.cfg, ctx.groups, ctx.eps = cfg, num_groups, eps
+        ctx.save_for_backward(x, pad, weight, count0, mean0, mean_f, starts, n_final, shift)
+        ctx.groups, ctx.eps, ctx.block_t = num_groups, eps, block_t
         ctx.dtypes = (weight.dtype, bias.dtype, mean0.dtype, var0.dtype)
         ctx.set_materialize_grads(False)
-        return y, mean_f.to(torch.float32), var_f.to(torch.float32)
+        return y, mean, var
 
     @staticmethod
     def backward(ctx, gy, g_mean, g_var):
-        x, pad, w, count0, mean0, mean_f, *saved = ctx.saved_tensors
-        gy = torch.zeros_like(x) if gy is None else gy.contiguous()
-        dx, dw, db, g_mean0, g_var0 = _backward(
-            x, pad, w, gy, g_mean, g_var, count0, mean0, mean_f, saved, ctx.groups, ctx.eps, ctx.cfg
-        )
+        x, pad, weight, count0, mean0, mean_f, starts, n_final, shift = ctx.saved_tensors
+        if gy is None:
+            gy = torch.zeros_like(x)
+        dx, dw, db, g_mean0, g_var0 = torch.ops.mega_suite.timestep_norm_bwd(
+            gy, g_mean, g_var, x, pad, weight, count0, mean0, mean_f, starts, n_final, shift, ctx.groups,
+            ctx.eps, ctx.block_t,
+        )  # fmt: skip
         grads = (g.to(dtype) for g, dtype in zip((dw, db, g_mean0, g_var0), ctx.dtypes))
         return (dx, *grads, None, None, None, None, None)
 
 
-@torch.compiler.disable
 def timestep_norm(
     x: Tensor,
     weight: Tensor,
