@@ -82,7 +82,10 @@ class TrainerSection:
     # trainer.strategy=fsdp, task=lm, a Megalodon model and data.options.seq_len a multiple of P x C.
     chunk_parallel: int = 1
     chunk_parallel_mode: str = "parallel"  # parallel (prefix of all-gathered states) | sequential (hand-off)
-    compile: bool = False  # torch.compile each block in place (SuiteModule.compile_units)
+    # torch.compile each block in place (SuiteModule.compile_units). The block specialises on the batch
+    # length, so each new length compiles again (Dynamo then runs eagerly past its recompile limit, 8 by
+    # default): use it with fixed-length batches (the language models'), not length-bucketed ones.
+    compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (capture only, no code generation) | ...
     deterministic: bool = False
     progress_bar: bool = True

@@ -183,15 +183,24 @@ def test_block_keeps_alive_only_what_it_saves(classifier, rebuild, bf16):
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=bf16)
     with autocast:
         block(x, mask)  # warm-up: allocator pools, lazily built tables
-    gc.collect()
-    before = malloc_live_bytes()
-    with autocast:
-        out = block(x, mask)[0]
-    gc.collect()
-    live = malloc_live_bytes() - before
-    stored = stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)
-    saved = sum(stored.values()) + out.untyped_storage().nbytes()
-    assert abs(live - saved) <= 0.02 * saved + 128 * 1024, (live, saved, x.numel() * 4)
+    # malloc counts the whole process: in the full suite a thread left by an earlier test (an event
+    # writer, say) can free memory inside the window (once: 295 KB under). Up to three tries; a tensor kept
+    # alive by mistake is over in every one (the defect this test was written for: 337 KB over, each time).
+    tries = []
+    for _ in range(3):
+        gc.collect()
+        before = malloc_live_bytes()
+        with autocast:
+            out = block(x, mask)[0]
+        gc.collect()
+        live = malloc_live_bytes() - before
+        stored = stored_for_backward(out, exclude=[x, *block.parameters()], rebuilt=is_rebuilt)
+        saved = sum(stored.values()) + out.untyped_storage().nbytes()
+        tries.append((live, saved))
+        if abs(live - saved) <= 0.02 * saved + 128 * 1024:
+            return
+        del out, stored
+    raise AssertionError(f"(live, stored) bytes per try: {tries}; input {x.numel() * 4} B")
 
 
 @pytest.mark.parametrize("rebuild,bound", [("always", 10), ("never", 16)])
