@@ -157,6 +157,38 @@ def test_torch_compile_keeps_one_graph(case):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+OPCHECK = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidir"])
+def test_custom_ops_pass_opcheck(bidirectional):
+    """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes / strides against the real
+    outputs, and the op under AOT dispatch (a TorchDispatchMode). Under such a mode PyTorch runs the body with
+    the lazy-conjugate key off, so ``gamma.conj()`` there was silently ignored and q's gradient came out as
+    γ X, not conj(γ) X (found by review; the aot_dispatch check failed on that code)."""
+    B, L, D, N = 2, 9, 3, 2
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * D if bidirectional else D
+    x = torch.randn(B, L, D, generator=g, device="cpu").to(DEVICE)
+    p, qr, qi, gr, gi = (0.5 * torch.rand(rows, N, generator=g).to(DEVICE) for _ in range(5))
+    omega = torch.randn(D, generator=g).to(DEVICE)
+    h0 = (
+        (None, None)
+        if bidirectional
+        else tuple(torch.randn(B, D, N, generator=g).to(DEVICE) for _ in range(2))
+    )
+    pad = (torch.rand(B, L, generator=g) < 0.3).to(torch.int8).to(DEVICE)
+    fwd_args = (x, p, qr, qi, gr, gi, omega, *h0, pad, bidirectional, 4)
+    torch.library.opcheck(torch.ops.mega_suite.cema_fwd.default, fwd_args, test_utils=OPCHECK)
+    y, h_re, h_im, states_f, states_b = torch.ops.mega_suite.cema_fwd(*fwd_args)
+    gh = (None, None) if bidirectional else (torch.randn_like(h_re), torch.randn_like(h_im))
+    bwd_args = (
+        torch.randn_like(y), *gh, x, p, qr, qi, gr, gi, omega, pad, states_f, states_b, bidirectional,
+        not bidirectional, 4,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.mega_suite.cema_bwd.default, bwd_args, test_utils=OPCHECK)
+
+
 def test_complex_gradient_convention():
     """G_z = ∂L/∂Re z + i ∂L/∂Im z (PyTorch's convention): check q's gradient by a finite difference."""
     *tensors, mask = make_case(1, 7, 3, 2, seed=9, h0=True)

@@ -137,6 +137,26 @@ def test_torch_compile_keeps_one_graph(case):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes / strides (float64 statistics
+    included) against the real outputs, and the ops under AOT dispatch."""
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    B, L, D, G = 2, 9, 6, 3
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((B, L, D), (D,), (D,)))
+    mean0, var0 = torch.randn(B, G, generator=g).to(DEVICE), (torch.rand(B, G, generator=g) + 0.5).to(DEVICE)
+    count0 = torch.tensor([2, 0], device=DEVICE)
+    pad = (torch.rand(B, L, generator=g) < 0.3).to(torch.int8).to(DEVICE)
+    fwd_args = (x, weight, bias, mean0, var0, count0, pad, G, 1e-5, 4)
+    torch.library.opcheck(torch.ops.mega_suite.timestep_norm_fwd.default, fwd_args, test_utils=tests)
+    y, mean, var, mean_f, starts, n_final, shift = torch.ops.mega_suite.timestep_norm_fwd(*fwd_args)
+    bwd_args = (
+        torch.randn_like(y), torch.randn_like(mean), None, x, pad, weight, count0, mean0, mean_f, starts,
+        n_final, shift, G, 1e-5, 4,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.mega_suite.timestep_norm_bwd.default, bwd_args, test_utils=tests)
+
+
 # ------------------------------------------------------------------------------------------ GPU only
 
 

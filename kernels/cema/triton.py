@@ -602,8 +602,10 @@ def _backward(
     sums = partial.sum(1)  # fixed-order reduction over (batch, chunk) programs: deterministic
     g_p = sums[0]
     g_gamma = torch.complex(sums[1], sums[2])
-    gamma = torch.complex(cf.gr, cf.gi)
-    g_q = gamma.conj() * torch.complex(sums[3], sums[4])
+    # conj(γ) built explicitly, not as a lazy .conj() view: inside a custom op under a TorchDispatchMode
+    # (AOT dispatch, FlopCounterMode, compiled autograd) the conjugate key is off and the bit is ignored.
+    gamma_conj = torch.complex(cf.gr, -cf.gi)
+    g_q = gamma_conj * torch.complex(sums[3], sums[4])
     if has_glast:
         g_q = g_q + torch.complex(g_q_last[0], g_q_last[1]).sum(0)
     return g_p, g_q, g_gamma, g_omega.sum(0), g_h0
