@@ -282,6 +282,21 @@ def test_input_errors():
         fused.chunk_attention(q, q[:, :3], q, 2, True)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["plain", "dropkey"])
+def test_custom_ops_pass_opcheck(p):
+    """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes against the real outputs, and
+    the ops under AOT dispatch (as torch.compile runs them)."""
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    q, k, v, do = make_inputs(2, 7, 2, 16, 8, seed=4)
+    kpm = padding(2, 7, 4, seed=4)
+    seed = torch.tensor([7], dtype=torch.int64, device=DEVICE) if p else None
+    fwd_args = (q, k, v, kpm, seed, 4, True, p)
+    torch.library.opcheck(torch.ops.mega_suite.chunk_attention_fwd.default, fwd_args, test_utils=tests)
+    o, lse = torch.ops.mega_suite.chunk_attention_fwd(*fwd_args)
+    bwd_args = (do, q, k, v, o, lse, kpm, seed, 4, True, p)
+    torch.library.opcheck(torch.ops.mega_suite.chunk_attention_bwd.default, bwd_args, test_utils=tests)
+
+
 def test_torch_compile_traces_custom_ops():
     """The custom ops keep dynamo from breaking the graph (aot_eager: no inductor codegen on CPU)."""
     q, k, v, do = make_inputs(1, 7, 2, 16, 8, seed=1)
