@@ -425,11 +425,10 @@ def stage_kernels() -> Outcome:
 BLOCK_LENGTHS = (4096, 32768)
 
 
-def _block_ms(kind: str, length: int, compile: bool = False) -> float:
-    """Median fwd+bwd time (ms) of one 7B-width block, bf16-mixed, batch 1 (``compile``: torch.compile'd,
-    Inductor, as ``trainer.compile=true`` compiles each block)."""
+def block_step(kind: str, length: int, compile: bool = False):
+    """One 7B-width block's forward + backward at batch 1, bf16-mixed, as a function that also drops the
+    gradients (``compile``: torch.compile'd, Inductor, as ``trainer.compile=true`` compiles each block)."""
     import torch
-    import triton.testing
 
     from bench import block as bb
 
@@ -444,8 +443,18 @@ def _block_ms(kind: str, length: int, compile: bool = False) -> float:
             out = run(x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(ct)
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
 
-    return triton.testing.do_bench(step, grad_to_none=[x, *block.parameters()], return_mode="median")
+    return step
+
+
+def _block_ms(kind: str, length: int, compile: bool = False) -> float:
+    """Median fwd+bwd time (ms) of :func:`block_step`."""
+    import triton.testing
+
+    return triton.testing.do_bench(block_step(kind, length, compile), return_mode="median")
 
 
 def stage_block() -> Outcome:

@@ -43,22 +43,9 @@ def kernel_rows(prof, top: int) -> tuple[list[list], float, int]:
 def profile_block(kind: str, length: int, top: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    from bench import block as bb
+    from bench.gpu_check import block_step
 
-    torch.manual_seed(0)
-    block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
-    x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
-    ct = torch.randn(1, length, 4096, device="cuda")
-
-    def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            out = block(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(ct)
-        x.grad = None
-        for p in block.parameters():
-            p.grad = None
-
+    step = block_step(kind, length)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

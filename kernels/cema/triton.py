@@ -616,6 +616,14 @@ def _backward(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _directions(p, q_re, q_im, g_re, g_im, omega) -> tuple[_Coefs, _Coefs]:
+    """Bidirectional CEMA's two parameter sets: rows [:D] run forward in time with ω, rows [D:] in reverse
+    with ω = 0 (the skip term is added once)."""
+    d = omega.shape[0]
+    fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
+    return fwd, _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+
+
 def _cema_forward(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidirectional, chunk):
     """(y, Re h_last, Im h_last, forward chunk states, backward chunk states or an empty tensor)."""
     x = x.contiguous()
@@ -623,8 +631,7 @@ def _cema_forward(x, p, q_re, q_im, g_re, g_im, omega, h0_re, h0_im, pad, bidire
     n = p.shape[1]
     cfg = _config(b, length, d, n, chunk)
     if bidirectional:
-        fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
-        bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+        fwd, bwd = _directions(p, q_re, q_im, g_re, g_im, omega)
         y32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
         states_f, _ = _forward(x, pad, fwd, None, None, False, cfg, y32, False)
         states_b, _ = _forward(x, pad, bwd, None, None, True, cfg, y32, True)
@@ -646,8 +653,7 @@ def _cema_backward(
     n = p.shape[1]
     cfg = _config(b, length, d, n, chunk)
     if bidirectional:
-        fwd = _Coefs(p[:d], q_re[:d], q_im[:d], g_re[:d], g_im[:d], omega)
-        bwd = _Coefs(p[d:], q_re[d:], q_im[d:], g_re[d:], g_im[d:], torch.zeros_like(omega))
+        fwd, bwd = _directions(p, q_re, q_im, g_re, g_im, omega)
         dx32 = torch.empty(b, length, d, device=x.device, dtype=torch.float32)
         gp_f, gq_f, gg_f, g_omega, _ = _backward(x, pad, gy, fwd, states_f, None, False, cfg, dx32, False)
         gp_b, gq_b, gg_b, _, _ = _backward(x, pad, gy, bwd, states_b, None, True, cfg, dx32, True)
