@@ -54,7 +54,11 @@ def main(argv: list[str]) -> int:
         # Lightning re-raises the original exception from fit/validate/test (after its own teardown).
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
-    print("[mega-suite] done:", {k: v for k, v in metrics.items()})
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank == 0:  # every rank returns here; their lines would interleave in a shared pipe
+        sys.stdout.write(f"[mega-suite] done: {dict(metrics)}\n")  # one write
+        sys.stdout.flush()
     return 0
 
 

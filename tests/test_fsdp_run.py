@@ -52,7 +52,8 @@ def _run(args: list[str]) -> str:
 
 
 def _metrics(out: str) -> dict:
-    # rank 1 writes into the same pipe: its partial lines may precede rank 0's summary on one line
+    # rank 1 writes into the same pipe: its partial lines may precede rank 0's summary on one line (only rank
+    # 0 prints the summary, in one write)
     tag = "[mega-suite] done: "
     line = [x for x in out.splitlines() if tag in x][-1]
     return ast.literal_eval(line[line.index(tag) + len(tag) :])

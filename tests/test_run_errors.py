@@ -75,3 +75,19 @@ def test_config_error_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert err.strip().splitlines()[-1].startswith("error: data.options ['bucket_batchez']"), err
     assert "Traceback" not in err
     assert not list(tmp_path.iterdir()), "a config error writes no run directory"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_summary_line_is_rank_zeros_alone(rank, monkeypatch, tmp_path, capsys):
+    """Every rank of a multi-process run returns from ``run``; only global rank 0 prints the final summary,
+    in one write. Both used to print it into the shared pipe, and the two lines interleaved into one
+    (``done: {...}{...}``, a 2-rank FSDP2 test run failed parsing it)."""
+    import mega_suite.runner
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(mega_suite.runner, "run", lambda cfg: {"test/loss": 1.5, "run_dir": "runs/x"})
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    assert entry.main(["recipe=debug", f"run_root={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    want = "[mega-suite] done: {'test/loss': 1.5, 'run_dir': 'runs/x'}\n"
+    assert out == (want if rank == 0 else ""), out
