@@ -82,8 +82,9 @@ def test_the_summary_line_is_rank_zeros_alone(rank, monkeypatch, tmp_path, capsy
     """Every rank of a multi-process run returns from ``run``; only global rank 0 prints the final summary,
     in one write. Both used to print it into the shared pipe, and the two lines interleaved into one
     (``done: {...}{...}``, a 2-rank FSDP2 test run failed parsing it)."""
-    import mega_suite.runner
     from lightning.pytorch.utilities import rank_zero_only
+
+    import mega_suite.runner
 
     monkeypatch.setattr(mega_suite.runner, "run", lambda cfg: {"test/loss": 1.5, "run_dir": "runs/x"})
     monkeypatch.setattr(rank_zero_only, "rank", rank)
