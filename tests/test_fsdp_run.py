@@ -107,11 +107,12 @@ def test_fsdp_sigterm_resume_consolidate_and_test(kjv_dir, tmp_path):
     # the sharded checkpoint, evaluated on 2 ranks (the test books split between them), and consolidated,
     # evaluated on one process: the whole test split, in 2048-token segments
     whole = ["trainer.limit_test_batches=1.0", "data.options.eval_seq_len=2048"]
+    runs = f"run_root={tmp_path / 'runs'}"  # the test runs' logs, not in the checkout's runs/
     sharded = _metrics(
-        _run(_args(kjv_dir, *FSDP2, *whole, "mode=test", f"ckpt={full_dir}/checkpoints/last.ckpt"))
+        _run(_args(kjv_dir, *FSDP2, *whole, "mode=test", f"ckpt={full_dir}/checkpoints/last.ckpt", runs))
     )
     out_pt = tmp_path / "consolidated.pt"
     consolidate = [sys.executable, "-m", "mega_suite.checkpoint", "consolidate", str(full_dir), str(out_pt)]
     subprocess.run(consolidate, cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=200)
-    single = _metrics(_run(_args(kjv_dir, "trainer.devices=1", *whole, "mode=test", f"ckpt={out_pt}")))
+    single = _metrics(_run(_args(kjv_dir, "trainer.devices=1", *whole, "mode=test", f"ckpt={out_pt}", runs)))
     assert sharded["test/loss"] == pytest.approx(single["test/loss"], rel=1e-5)
