@@ -545,18 +545,6 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
 
 
-def _chunk_shape(chunk_size: int, length: int) -> tuple[int, int, int]:
-    """(c, nc, CHUNK) for a sequence of ``length`` tokens: c = min(chunk_size, length) tokens per chunk (the
-    grids), nc chunks, and the CHUNK constexpr the kernels are compiled for: always chunk_size. CHUNK is a
-    compile-time constant and an autotune key, so a CHUNK that followed a short sequence's length would
-    compile and autotune all four kernels afresh for each new length (length-bucketed classification
-    batches: a new length almost every step, minutes of compiling per step on a GPU). The kernels need only
-    chunk * CHUNK as the chunk's start and min(CHUNK, L - start) as its length, which for a single chunk
-    (nc = 1) is 0 and L for any CHUNK >= L; the grids use c, so no program is launched for rows past L."""
-    c = min(chunk_size, length)
-    return c, triton.cdiv(length, c), chunk_size
-
-
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel: short lists, since every entry is compiled on first use.
 # Chosen from an offline sm_90 compile (registers / spills, no GPU run): the dK/dV kernels want few query
 # rows per key block, the dQ kernel few key rows per query block.
@@ -618,7 +606,13 @@ _dq_tuned = triton.autotune(
 
 def _launch(tuned, grid_fn, args: tuple, meta: dict, tuned_keys: tuple[str, ...]) -> None:
     """Run ``tuned`` (an autotuner) or, under :func:`kernel_config`, its kernel with the forced block sizes.
-    ``meta`` holds the constexprs the caller fixes; ``tuned_keys`` the ones the autotuner picks."""
+    ``meta`` holds the constexprs the caller fixes; ``tuned_keys`` the ones the autotuner picks.
+
+    ``meta["CHUNK"]`` is the model's chunk_size even for a sequence shorter than one chunk: CHUNK is a
+    compile-time constant and an autotune key, so one that followed the length would compile and autotune
+    every kernel afresh for each new length (length-bucketed classification batches: a new length almost
+    every step). The kernels use CHUNK only as chunk * CHUNK (the chunk's start) and min(CHUNK, L - start),
+    which for a single chunk are 0 and L for any CHUNK >= L; the grids use c = min(chunk_size, L)."""
     cfg = _CONFIG_OVERRIDE
     if cfg is None:
         tuned[grid_fn](*args, **meta)
@@ -694,7 +688,8 @@ def attention_forward(
     lse = _alloc((b, h, length), torch.float32, q.device)
     if length == 0:
         return o, lse
-    c, nc, chunk_key = _chunk_shape(chunk_size, length)
+    c = min(chunk_size, length)
+    nc = triton.cdiv(length, c)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     grid = lambda meta: (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(dv, meta["BLOCK_DV"]), nc, b * h)
@@ -704,9 +699,9 @@ def attention_forward(
         length, h, float(dropout_p),
     )  # fmt: skip
     meta = dict(
-        CHUNK=chunk_key, DK=dk, DV=dv, CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout,
+        CHUNK=chunk_size, DK=dk, DV=dv, CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout,
         INPUT_PRECISION=_input_precision(q.dtype), BLOCK_DK=_pow2(dk),
-    )  # fmt: skip
+    )  # fmt: skip  # CHUNK: see _launch
     _launch(_fwd_tuned, grid, args, meta, ("BLOCK_M", "BLOCK_N", "BLOCK_DV"))
     return o, lse
 
@@ -733,7 +728,8 @@ def attention_backward(
     dv_out = _alloc(v.shape, v.dtype, v.device)
     if length == 0:
         return dq, dk_out, dv_out
-    c, nc, chunk_key = _chunk_shape(chunk_size, length)
+    c = min(chunk_size, length)
+    nc = triton.cdiv(length, c)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     seed = seed if dropout else None
@@ -748,14 +744,14 @@ def attention_backward(
     )
 
     common = dict(
-        CHUNK=chunk_key,
+        CHUNK=chunk_size,
         DK=dk,
         DV=dv,
         CAUSAL=bool(causal),
         HAS_KPM=has_kpm,
         DROPOUT=dropout,
         INPUT_PRECISION=ip,
-    )
+    )  # CHUNK: see _launch
     # dV inside the dK kernel when the whole value width fits one tile; else a dv-tiled kernel of its own,
     # and the dK / dQ kernels accumulate dP over value tiles of a fixed width.
     fuse_dv = _pow2(dv) <= cfg.max_fused_dv
