@@ -3,6 +3,7 @@
     python -m bench.decode_gpu                          # megalodon_7b (32 layers), bf16 decode weights
     python -m bench.decode_gpu --layers 8 --tokens 16   # fewer layers: the same per-layer costs, less memory
     python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --compile --threads 1   # CPU: no graphs
+    python -m bench.decode_gpu --gemv mv,cublas,triton  # the compiled graph with each one-row GEMV, side by side
 
 Measured in one process, after one prompt (reference kernels, so no Triton compile) of ``--prompt`` tokens:
 
@@ -14,6 +15,10 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
 - ``static, torch.compile`` (``--compile``): the same step compiled by Inductor (fused elementwise ops);
 - ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token (CUDA only); with ``--compile`` also
   the graph of the compiled step (``StaticDecoder(compile=True)`` on CUDA: Inductor's kernels, captured).
+
+``--gemv``: instead of the paths above, the CUDA graph of the compiled step once per one-row GEMV
+(``decode.CUDA_ROW_GEMV``, read while each decoder compiles and captures its graph; the timed tokens replay
+those graphs), beside the eager path, which gives the reference logits.
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
@@ -111,10 +116,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", type=int, default=0, help="CUDA: the top N kernels of each path by device time"
     )
+    ap.add_argument(
+        "--gemv", default=None,
+        help="comma-separated one-row CUDA GEMVs (decode.CUDA_ROW_GEMVS: mv, mm, cublas, triton) to time side "
+        "by side, each as the CUDA graph of the compiled step (implies --compile; the eager path is kept as "
+        "the logits reference, the other paths are left out)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    variants = [v.strip() for v in args.gemv.split(",") if v.strip()] if args.gemv else []
+    if variants:
+        from mega_suite.models.megalodon.decode import CUDA_ROW_GEMVS
+
+        bad = [v for v in variants if v not in CUDA_ROW_GEMVS]
+        if bad:
+            ap.error(f"--gemv: {bad} not in {CUDA_ROW_GEMVS}")
+        if device.type != "cuda":
+            ap.error("--gemv compares CUDA GEMVs: it needs --device cuda")
+        args.compile = True
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -154,25 +175,51 @@ def main(argv: list[str] | None = None) -> int:
             logits, cache = model(next(it).view(1, 1), cache)
         return logits
 
-    static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
-    graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
-    # CUDA and --compile: Inductor's fused kernels, captured (fewer kernels per graph)
-    compiled_graphs = decode.StaticDecoder(model, cache, compile=True) if graphs and args.compile else None
+    first = steps[:1]
+    if variants:  # one compiled graph per GEMV; each compiles and captures with its GEMV selected
+        static = graphs = compiled_graphs = None
+        per_gemv, default = {}, decode.CUDA_ROW_GEMV
+        for v in variants:
+            decode.CUDA_ROW_GEMV = v
+            try:
+                t_c = time.perf_counter()
+                per_gemv[v] = decode.StaticDecoder(model, cache, compile=True)
+                logits = per_gemv[v].step(first).clone()  # captures the first bucket's graph, same setting
+            finally:
+                decode.CUDA_ROW_GEMV = default
+            print(f"GEMV {v}: compiled and captured in {time.perf_counter() - t_c:.0f} s", flush=True)
+            per_gemv[v] = (per_gemv[v], logits)
+    else:
+        static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
+        graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
+        # CUDA and --compile: Inductor's fused kernels, captured (fewer kernels per graph)
+        compiled_graphs = (
+            decode.StaticDecoder(model, cache, compile=True) if graphs and args.compile else None
+        )
     # Same token, same state: each graph's logits against the eager path's (before any path advances).
     check = ""
-    if graphs is not None:
-        first = steps[:1]
+    if device.type == "cuda":
         with torch.no_grad():
             want, _ = model(first.view(1, 1), cache)
-        for name, dec in (("graph", graphs), ("compiled graph", compiled_graphs)):
-            if dec is not None:
-                err = float((dec.step(first) - want[:, 0]).abs().max() / want.abs().max())
-                check += f"{name} vs eager logits, same token and cache: max|diff| / max|eager| = {err:.1e}\n"
-        static.step(first)
+        got = {f"compiled graph, GEMV {v}": logits for v, (_, logits) in per_gemv.items()} if variants else {
+            name: dec.step(first) for name, dec in (("graph", graphs), ("compiled graph", compiled_graphs)) if dec
+        }  # fmt: skip
+        for name, logits in got.items():
+            err = float((logits - want[:, 0]).abs().max() / want.abs().max())
+            check += f"{name} vs eager logits, same token and cache: max|diff| / max|eager| = {err:.1e}\n"
+        if static is not None:
+            static.step(first)
         print(check, flush=True)
         eager_step()  # the eager cache takes the same token
-    paths = [("eager (block_step)", eager_step), ("static, no graph", lambda: static.step(next(it)))]
-    if args.compile:  # one Inductor graph, the attended length dynamic, compiled in the constructor
+    paths = [("eager (block_step)", eager_step)]
+    if variants:
+        for v, (dec, _) in per_gemv.items():
+            paths.append((f"CUDA graph of the compiled step, GEMV {v}", lambda dec=dec: dec.step(next(it))))
+    else:
+        paths.append(("static, no graph", lambda: static.step(next(it))))
+    if (
+        args.compile and not variants
+    ):  # one Inductor graph, the attended length dynamic, compiled in the constructor
         t_c = time.perf_counter()
         compiled = decode.StaticDecoder(model, cache, graphs=False, compile=True)
         print(f"torch.compile of the static step: {time.perf_counter() - t_c:.0f} s", flush=True)

@@ -228,6 +228,7 @@ CUDA_TEST_FILES = (
     "tests/test_triton_attention.py",
     "tests/test_triton_cema.py",
     "tests/test_triton_timestep_norm.py",
+    "tests/test_triton_gemv.py",
 )
 
 

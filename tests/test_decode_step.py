@@ -302,3 +302,46 @@ def test_the_gpu_check_helper_on_cpu(fresh_dynamo):
     """The helper the GPU test runs, here on the CPU (no graphs), eager and compiled: it can pass."""
     _decoder_matches_float64("cpu", False)
     _decoder_matches_float64("cpu", True)
+
+
+@pytest.mark.parametrize("kind", ["cublas", "triton"])
+def test_row_gemv_variants_in_the_static_and_compiled_step(kind, monkeypatch, fresh_dynamo):
+    """The one-row bf16 GEMV as ``decode.CUDA_ROW_GEMV`` = "cublas" (torch.mv behind ``mega_suite::mv``) or
+    "triton" (``kernels.gemv.row_gemv``: bias and residual in the call; on the CPU its reference), in the
+    static step (the op is called) and the compiled one (fullgraph): logits within bf16 rounding of the
+    float64 pass."""
+    import kernels.gemv as gemv_ops
+
+    monkeypatch.setattr(decode, "_row_gemv_kind", lambda x: kind)  # on CUDA: decode.CUDA_ROW_GEMV
+    model = make_lm(chunk_size=8, num_heads=1, layer_scale=True).to_decode_dtype(torch.bfloat16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(9))
+    want = float64_logits(model, tokens).float()
+    model.float()
+    name, calls = {"cublas": "mv", "triton": "row_gemv"}[kind], []
+    with monkeypatch.context() as m:
+        fn = getattr(gemv_ops, name)
+        m.setattr(gemv_ops, name, lambda *a: calls.append(1) or fn(*a))
+        static, _ = static_decode_logits(model, tokens, 3)
+    assert len(calls) == 11 * model.cfg.num_layers * 5  # five GEMVs per block per token
+    compiled, _ = static_decode_logits(model, tokens, 3, compile=True)
+    for got in (static, compiled):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+    # Inductor may skip the float32 -> bf16 -> float32 rounding of x before the CPU reference's product
+    torch.testing.assert_close(compiled, static, rtol=0, atol=0.01 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", decode.CUDA_ROW_GEMVS)
+def test_cuda_row_gemvs_in_the_graph_decoder(kind, monkeypatch):
+    """On a GPU: the CUDA-graph decoder with bf16 weights and each one-row GEMV (the Triton kernel among
+    them) stays within bf16 rounding of the float64 pass."""
+    from kernels.gemv import triton as gemv_triton
+
+    monkeypatch.setattr(decode, "CUDA_ROW_GEMV", kind)
+    model = make_lm(chunk_size=8, num_heads=1).cuda().to_decode_dtype(torch.bfloat16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
+    with gemv_triton.fixed_config():  # the autotuner: 13 compiles per specialisation
+        got, _ = static_decode_logits(model, tokens.cuda(), 5)
+    want = float64_logits(model.cpu(), tokens).float()
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0.03 * want.abs().max().item())

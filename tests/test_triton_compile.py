@@ -39,7 +39,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("kernels.cema.triton", "kernels.timestep_norm.triton", "kernels.attention.triton")
+MODULES = (
+    "kernels.cema.triton",
+    "kernels.timestep_norm.triton",
+    "kernels.attention.triton",
+    "kernels.gemv.triton",
+)
 ARCHS = (80, 90)
 # Largest shared memory one block may opt in to (CUDA programming guide, compute capabilities table).
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
@@ -122,6 +127,13 @@ def _dropkey_mask():
     fused.dropkey_mask(torch.zeros(1, dtype=torch.int64, device="meta"), 1, 2, 1000, 1000, 0.1)
 
 
+def _gemv(o, i, dtype, bias, add):
+    from kernels.gemv import triton as fused
+
+    vec = _meta(o) if bias or add else None
+    fused.row_gemv(_meta(o, i, dtype=dtype), _meta(i), vec if bias else None, vec if add else None)
+
+
 def _bf16():
     import torch
 
@@ -147,6 +159,12 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         ("streaming bf16: carried state in/out", lambda: _cema(1, 4096, 1024, 16, _bf16(), state=True)),
         ("classifier fp32 bidirectional pad D80", lambda: _cema(2, 1000, 80, 16, _f32(), bidirectional=True, padding=True)),
         ("debug preset fp32 D16 N4", lambda: _cema(2, 64, 16, 4, _f32())),
+    ],
+    "kernels.gemv.triton": [
+        # the 7B decode packs, bf16 weights: m-pack [Z+E+D, D] with bias, fc2 [D, F] with the residual added
+        ("7B decode m-pack bf16 13312x4096 +bias", lambda: _gemv(13312, 4096, _bf16(), True, False)),
+        ("7B decode fc2 bf16 4096x8192 +residual", lambda: _gemv(4096, 8192, _bf16(), False, True)),
+        ("7B head fp32 32000x4096", lambda: _gemv(32000, 4096, _f32(), False, False)),
     ],
     "kernels.timestep_norm.triton": [
         ("7B LM bf16 D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16())),
@@ -191,7 +209,7 @@ def _autotune_configs(module) -> dict[str, list[tuple]]:
 
 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-_TUNED = ("BLOCK_M", "BLOCK_N", "BLOCK_DV")
+_TUNED = ("BLOCK_M", "BLOCK_N", "BLOCK_DV", "BLOCK_O", "BLOCK_I")
 
 
 def _config_key(config: dict) -> tuple:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import gemv
+
 WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 GEMV_KINDS = ("matmul", "mkldnn")
 
@@ -44,9 +46,24 @@ def mkldnn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
 
 
-# One-row bf16 GEMV on CUDA: "mv" (torch.mv) or "mm" (x @ Wᵀ, a cuBLAS GEMM that Inductor keeps as an extern
-# call). Measured on an H100 (7B, compiled graph): 8.39 vs 8.40 ms per token, so mv stays (GPU_RESULTS.md).
+# One-row bf16 GEMV on CUDA (``Gemv``, kind "rows"):
+# - "mv": torch.mv; under torch.compile Inductor rewrites it as its own Triton reduction fused with the
+#   prologue (norm, SiLU, cast). H100, 7B, compiled graph: 8.39 ms per token, the GEMVs at ~2.1 TB/s;
+# - "mm": x @ Wᵀ, a cuBLAS GEMM that Inductor keeps as an extern call: 8.40 ms (GPU_RESULTS.md);
+# - "cublas": torch.mv behind the custom op ``mega_suite::mv`` (kernels.gemv), so that Inductor keeps the
+#   cuBLAS GEMV (read at ~2.5 TB/s in the uncompiled graph) and fuses only the ops around it;
+# - "triton": ``kernels.gemv``'s autotuned kernel (``mega_suite::row_gemv``), bias and residual in its
+#   epilogue.
+# "cublas" and "triton" are not yet measured on a GPU: bench/decode_gpu.py --gemv mv,cublas,triton times
+# them side by side.
 CUDA_ROW_GEMV = "mv"
+CUDA_ROW_GEMVS = ("mv", "mm", "cublas", "triton")
+
+
+def _row_gemv_kind(x: Tensor) -> str:
+    """The one-row bf16 GEMV for ``x``'s device: ``CUDA_ROW_GEMV`` on CUDA, ``torch.mv`` on the CPU (read at
+    trace time: a compiled step or a captured graph keeps the choice it was built with)."""
+    return CUDA_ROW_GEMV if x.is_cuda else "mv"
 
 
 class Gemv:
@@ -92,8 +109,15 @@ class Gemv:
         elif self.kind == "mkldnn":
             y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
         else:  # "rows": W [O, I]
-            one_row = xl.shape[0] == 1 and not (xl.is_cuda and CUDA_ROW_GEMV == "mm")
-            y = torch.mv(self.w, xl[0])[None] if one_row else xl @ self.w.t()
+            row_kind = _row_gemv_kind(xl)
+            if xl.shape[0] == 1 and row_kind == "triton":  # the rounding to bf16, bias and add in the kernel
+                return gemv.row_gemv(self.w, x[0], bias, None if add is None else add[0])[None]
+            if xl.shape[0] == 1 and row_kind == "cublas":
+                y = gemv.mv(self.w, xl[0])[None]
+            elif xl.shape[0] == 1 and row_kind != "mm":
+                y = torch.mv(self.w, xl[0])[None]
+            else:
+                y = xl @ self.w.t()
         y = y.float()
         if bias is not None:
             y = y.add_(bias)
