@@ -190,3 +190,36 @@ def test_blocked_causal_function(dtype):
     for a, b in zip(got, want):
         assert a.dtype == dtype
         torch.testing.assert_close(a.double(), b.double(), **tol)
+
+
+@pytest.mark.parametrize(
+    "dtype, c, dk, dv, path",
+    [(torch.float32, 512, 16, 64, "blocked"), (torch.float32, 2048, 64, 128, "flash"),
+     (torch.bfloat16, 512, 16, 64, "blocked"), (torch.bfloat16, 1024, 16, 64, "flash")],
+)  # fmt: skip
+def test_causal_unequal_widths_take_the_measured_path(dtype, c, dk, dv, path, monkeypatch):
+    """Causal, unpadded, dk != dv on the CPU: ``_BlockedCausal`` or Q/K padded for the flash kernel as
+    ``_prefer_blocked`` decides from measured shapes (bench/attention_cpu.py); either way the output and the
+    gradients equal the float64 oracle to the inputs' rounding (float32 / bf16)."""
+    from kernels.attention import reference
+
+    taken = []
+    for name, cls in (("blocked", reference._BlockedCausal), ("flash", reference._FlashAttention)):
+        apply = cls.apply
+        monkeypatch.setattr(cls, "apply", lambda *a, name=name, apply=apply: taken.append(name) or apply(*a))
+    q, k, v = make_qkv(1, c, 1, dk, dv, seed=c + dk)
+    q, k = q * 0.3, k * 0.3  # logits of order 1: a bf16 softmax stays within its rounding
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = chunk_attention(*inputs, c, True)
+    assert taken == [path]
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    ql, kl, vl = (t[0, :, 0] for t in leaves)  # one chunk: softmax(q kᵀ, keys <= query) v in float64
+    scores = (ql @ kl.T).masked_fill(torch.ones(c, c, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (torch.softmax(scores, -1) @ vl)[None, :, None]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # of the largest magnitude
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = [out, *torch.autograd.grad((out.double() * cot).sum(), inputs)]
+    want = [ref, *torch.autograd.grad((ref * cot).sum(), leaves)]
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        assert float((a.double() - b).abs().max()) <= tol * float(b.abs().max())

@@ -187,6 +187,21 @@ def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
     return ratio <= 4 or b * h * c * c * 4 > (512 << 20)
 
 
+def _prefer_blocked(c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
+    """Causal, no padding, no dropout, dk != dv: ``_BlockedCausal`` (dk-wide scores, 5/8 of C x C, in
+    float32) rather than Q and K padded to dv for SDPA's flash kernel? Measured on CPU (``python -m
+    bench.attention_cpu``, 2 threads, forward + backward; bench/RESULTS.md §20): in float32 blocked takes
+    0.44-0.9x the time wherever dv >= 256 or C <= 1024, and 1.1-1.2x at C = 2048 with dv = 128, where the
+    elementwise passes over the materialised probabilities cost more than flash's wider products; with
+    bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or dv >= 512, up to
+    1.5x elsewhere."""
+    if c < 256 or dk == dv:
+        return False
+    if dtype in (torch.bfloat16, torch.float16):
+        return c <= 512 or dv >= 512
+    return c <= 1024 or dv >= 256
+
+
 def chunk_attention(
     q: Tensor,
     k: Tensor,
@@ -230,16 +245,22 @@ def chunk_attention(
             key_padding_mask = torch.zeros(b, length, dtype=torch.bool, device=q.device)
         key_padding_mask = F.pad(key_padding_mask, (0, pad), value=True)
     qf, kf, vf = _fold(q, nc, c), _fold(k, nc, c), _fold(v, nc, c)
+    # CPU, causal, nothing masked: the faster of the two paths for these widths (measured on the CPU only)
+    cpu_plain = q.device.type == "cpu" and causal and key_padding_mask is None and dropout_p == 0.0
+    blocked = cpu_plain and _prefer_blocked(c, dk, dv, q.dtype)
     width = dv
-    if _flash_friendly(b * nc, c, h, dk, dv) and not _use_flash(qf, kf, vf):
+    friendly = not blocked and _flash_friendly(b * nc, c, h, dk, dv)
+    if friendly and not _use_flash(qf, kf, vf):
         width = max(dk, dv)
         qf, kf = F.pad(qf, (0, width - dk)), F.pad(kf, (0, width - dk))
         vf = F.pad(vf, (0, width - dv))
-    flash = _use_flash(qf, kf, vf) and (dk == dv or _flash_friendly(b * nc, c, h, dk, dv))
+    flash = _use_flash(qf, kf, vf) and (dk == dv or friendly)
 
     pad_keep = None if key_padding_mask is None else ~key_padding_mask.reshape(b * nc, 1, 1, c)
     if pad_keep is None and dropout_p == 0.0:
-        if flash:
+        if blocked:
+            o = _BlockedCausal.apply(qf, kf, vf, 4)
+        elif flash:
             o = _FlashAttention.apply(qf, kf, vf, None, causal)
         elif causal and qf.shape[-1] != vf.shape[-1] and c >= 256:
             o = _BlockedCausal.apply(qf, kf, vf, 4)
