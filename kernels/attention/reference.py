@@ -192,10 +192,9 @@ def _prefer_blocked(c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
     float32) rather than Q and K padded to dv for SDPA's flash kernel? Measured on CPU (``python -m
     bench.attention_cpu``, 2 threads, forward + backward; bench/RESULTS.md §20): in float32 blocked takes
     0.44-0.96x the time wherever dv >= 256 or C <= 1024 (one cell 1.04), and 1.1-1.6x at C = 2048 with
-    dv <= 128, where the
-    elementwise passes over the materialised probabilities cost more than flash's wider products; with
-    bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or dv >= 512, up to
-    1.5x elsewhere."""
+    dv <= 128, where the elementwise passes over the materialised probabilities cost more than flash's
+    wider products; with bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or
+    dv >= 512, up to 1.5x elsewhere."""
     if c < 256 or dk == dv:
         return False
     if dtype in (torch.bfloat16, torch.float16):
