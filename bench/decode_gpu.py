@@ -17,8 +17,9 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
   the graph of the compiled step (``StaticDecoder(compile=True)`` on CUDA: Inductor's kernels, captured).
 
 ``--gemv``: instead of the paths above, the CUDA graph of the compiled step once per one-row GEMV
-(``decode.CUDA_ROW_GEMV``, read while each decoder compiles and captures its graph; the timed tokens replay
-those graphs), beside the eager path, which gives the reference logits.
+(``decode.StaticDecoder(..., row_gemv=)``, the values of ``decode.CUDA_ROW_GEMV``), beside the eager path,
+which gives the reference logits. "mm" (cuBLAS kept opaque) measured the same as "mv" in the second lease,
+its prologues no longer fused (GPU_RESULTS.md); "cublas" has that structure with cuBLAS's GEMV kernel.
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--gemv: {bad} not in {CUDA_ROW_GEMVS}")
         if device.type != "cuda":
             ap.error("--gemv compares CUDA GEMVs: it needs --device cuda")
+        from kernels import dispatch as kernel_dispatch
+
+        if "triton" in variants and kernel_dispatch.reference_forced():
+            ap.error("--gemv triton: the Triton kernels are switched off (MEGA_SUITE_KERNELS=reference)")
         args.compile = True
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,19 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         return logits
 
     first = steps[:1]
-    if variants:  # one compiled graph per GEMV; each compiles and captures with its GEMV selected
+    if variants:  # one compiled graph per GEMV (each decoder sets its GEMV around its compile and steps)
         static = graphs = compiled_graphs = None
-        per_gemv, default = {}, decode.CUDA_ROW_GEMV
+        per_gemv = {}
         for v in variants:
-            decode.CUDA_ROW_GEMV = v
-            try:
-                t_c = time.perf_counter()
-                per_gemv[v] = decode.StaticDecoder(model, cache, compile=True)
-                logits = per_gemv[v].step(first).clone()  # captures the first bucket's graph, same setting
-            finally:
-                decode.CUDA_ROW_GEMV = default
+            t_c = time.perf_counter()
+            dec = decode.StaticDecoder(model, cache, compile=True, row_gemv=v)
+            per_gemv[v] = (dec, dec.step(first).clone())  # captures the first bucket's graph
             print(f"GEMV {v}: compiled and captured in {time.perf_counter() - t_c:.0f} s", flush=True)
-            per_gemv[v] = (per_gemv[v], logits)
     else:
         static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
         graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None

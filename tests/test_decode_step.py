@@ -333,15 +333,30 @@ def test_row_gemv_variants_in_the_static_and_compiled_step(kind, monkeypatch, fr
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", decode.CUDA_ROW_GEMVS)
-def test_cuda_row_gemvs_in_the_graph_decoder(kind, monkeypatch):
+def test_cuda_row_gemvs_in_the_graph_decoder(kind):
     """On a GPU: the CUDA-graph decoder with bf16 weights and each one-row GEMV (the Triton kernel among
     them) stays within bf16 rounding of the float64 pass."""
     from kernels.gemv import triton as gemv_triton
 
-    monkeypatch.setattr(decode, "CUDA_ROW_GEMV", kind)
     model = make_lm(chunk_size=8, num_heads=1).cuda().to_decode_dtype(torch.bfloat16)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
-    with gemv_triton.fixed_config():  # the autotuner: 13 compiles per specialisation
-        got, _ = static_decode_logits(model, tokens.cuda(), 5)
+    with gemv_triton.fixed_config():  # no autotuning (13 compiles and timings) in this small test
+        got, _ = static_decode_logits(model, tokens.cuda(), 5, row_gemv=kind)
+    assert decode.CUDA_ROW_GEMV == "mv"  # the decoder set its choice only around its own calls
     want = float64_logits(model.cpu(), tokens).float()
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0.03 * want.abs().max().item())
+
+
+def test_row_gemv_choice_is_checked():
+    """A misspelt GEMV is an error naming the choices, not a silent fall-back to torch.mv."""
+    model = make_lm(chunk_size=8)
+    with torch.no_grad():
+        _, cache = model(torch.zeros(1, 3, dtype=torch.long), use_cache=True)
+    with pytest.raises(ValueError, match=r"CUDA_ROW_GEMV must be one of .*'cuBLAS'"):
+        decode.StaticDecoder(model, cache, row_gemv="cuBLAS")
+    with pytest.raises(ValueError, match="CUDA_ROW_GEMV must be one of"):
+        with decode.cuda_row_gemv("triton "):
+            pass
+    with decode.cuda_row_gemv("triton"):
+        assert decode.CUDA_ROW_GEMV == "triton"
+    assert decode.CUDA_ROW_GEMV == "mv"

@@ -164,7 +164,7 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         # the 7B decode packs, bf16 weights: m-pack [Z+E+D, D] with bias, fc2 [D, F] with the residual added
         ("7B decode m-pack bf16 13312x4096 +bias", lambda: _gemv(13312, 4096, _bf16(), True, False)),
         ("7B decode fc2 bf16 4096x8192 +residual", lambda: _gemv(4096, 8192, _bf16(), False, True)),
-        ("7B head fp32 32000x4096", lambda: _gemv(32000, 4096, _f32(), False, False)),
+        ("7B decode W_v fp32 8192x4096 (float32 weights)", lambda: _gemv(8192, 4096, _f32(), False, False)),
     ],
     "kernels.timestep_norm.triton": [
         ("7B LM bf16 D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16())),

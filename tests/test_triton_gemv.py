@@ -26,8 +26,8 @@ pytestmark = needs_device
 
 @pytest.fixture(autouse=True)
 def fixed_config_on_gpu(request):
-    """On a GPU, one fixed configuration unless a test is marked ``autotune`` (the autotuner compiles all
-    13 for each new bias / addend / dtype specialisation); the interpreter has one configuration anyway."""
+    """On a GPU, one fixed configuration unless a test is marked ``autotune`` (the autotuner compiles and
+    times all 13 for each new (O, I) and dtype); the interpreter has one configuration anyway."""
     if os.environ.get("TRITON_INTERPRET") == "1" or request.node.get_closest_marker("autotune"):
         yield
         return
@@ -83,13 +83,20 @@ def test_row_gemv_rounds_x_to_the_weight_dtype():
 
 
 def test_row_gemv_rejects_bad_inputs():
-    w, x, _, _ = case(4, 8, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="float32"):
+    """Each check on its own (a wrong bias length would read past the bias on a GPU)."""
+    w, x, b, _ = case(8, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"x must be float32 \[8\]"):
         fused.row_gemv(w, x.half())
-    with pytest.raises(ValueError, match=r"w \[O, I\]"):
-        fused.row_gemv(w.t(), x)
+    with pytest.raises(ValueError, match="unit column stride"):
+        fused.row_gemv(w.t(), x)  # square: only the stride is wrong
     with pytest.raises(ValueError, match=r"x \[I\]"):
         fused.row_gemv(w, x[:3])
+    with pytest.raises(ValueError, match=r"bias must be float32 \[8\]"):
+        fused.row_gemv(w, x, b[:5])
+    with pytest.raises(ValueError, match=r"add must be float32 \[8\]"):
+        fused.row_gemv(w, x, None, b.double())
+    with pytest.raises(ValueError, match="w must be float16, bfloat16 or float32"):
+        fused.row_gemv(w.double(), x)
 
 
 def test_reference_equals_oracle():
@@ -109,7 +116,10 @@ def test_custom_op_passes_opcheck(bias):
 
 
 def test_compiled_call_keeps_the_ops_and_equals_eager():
-    """Inside torch.compile (fullgraph) both ops stay opaque calls: the result equals the eager one."""
+    """Inside torch.compile (fullgraph) both ops stay single opaque calls in the graph handed to the backend
+    (the decomposed graph, as Inductor receives it), and the result equals the eager one."""
+    from torch._dynamo.backends.common import aot_autograd
+
     import kernels.gemv as gemv_ops
 
     w, x, b, a = case(6, 20, torch.float32, seed=6)
@@ -117,18 +127,57 @@ def test_compiled_call_keeps_the_ops_and_equals_eager():
     def f(w, x, b, a):
         return torch.ops.mega_suite.row_gemv(w, x * 2, b, a).relu() + gemv_ops.mv(w, x).sin()
 
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
     torch._dynamo.reset()
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(w, x, b, a)
+    got = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=record))(w, x, b, a)
     torch.testing.assert_close(got, f(w, x, b, a), rtol=0, atol=0)
+    assert seen.count("mega_suite.row_gemv.default") == 1 and seen.count("mega_suite.mv.default") == 1, seen
+    assert not any("aten.mv" in t or "aten.mm" in t for t in seen), seen
 
 
 @gpu_only
 @pytest.mark.autotune
-@pytest.mark.parametrize("o,i", [(13312, 4096), (4096, 8192), (16384, 4096), (32000, 4096)])
+@pytest.mark.parametrize("o,i", [(13312, 4096), (8192, 4096), (4096, 8192), (16384, 4096)])
 def test_7b_decode_shapes_bf16(o, i):
-    """The 7B decode packs' shapes (m-pack, W_h2 / fc2, fc1|fc3, the head) in bfloat16 on a GPU."""
+    """The 7B decode packs' shapes (m-pack, W_v, W_h2 / fc2, fc1|fc3) in bfloat16 on a GPU."""
     w, x, b, a = case(o, i, torch.bfloat16, seed=o + i, device="cuda")
     y = fused.row_gemv(w, x, b, a)
     want = oracle(w, x, b, a)
     scale = (w.double().abs() @ x.to(torch.bfloat16).double().abs()).max()
     assert float((y.double() - want).abs().max() / scale) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through the interpreter")
+def test_the_kernel_inside_the_static_and_compiled_decode_step(monkeypatch):
+    """The Triton kernel itself (interpreter, CPU tensors, bf16 weights) as every one-row GEMV of the decode
+    step, eager and inside the compiled step (fullgraph, the custom op an extern call): logits within bf16
+    rounding of the float64 full pass."""
+    import test_decode_step as tds
+
+    from kernels import dispatch
+    from mega_suite.models.megalodon import decode
+
+    calls = []
+    launch = fused.row_gemv
+    monkeypatch.setattr(fused, "row_gemv", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(decode, "_row_gemv_kind", lambda x: "triton")
+    model = tds.make_lm(chunk_size=8, num_heads=1).to_decode_dtype(torch.bfloat16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    want = tds.float64_logits(model, tokens).float()
+    model.float()
+    torch._dynamo.reset()
+    try:
+        for compile in (False, True):
+            calls.clear()
+            got, _ = tds.static_decode_logits(model, tokens, 3, compile=compile)
+            assert len(calls) >= 6 * model.cfg.num_layers * 5  # every GEMV of every token ran the kernel
+            torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+    finally:
+        torch._dynamo.reset()

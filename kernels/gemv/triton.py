@@ -92,9 +92,10 @@ _FIXED: dict | None = None
 
 @contextlib.contextmanager
 def fixed_config(block_o: int = 4, block_i: int = 512, num_warps: int = 4):
-    """Launch with these block sizes inside the ``with`` block instead of the autotuned ones."""
+    """Launch with these block sizes inside the ``with`` block instead of the autotuned ones (the default is
+    one of the autotune configurations, which tests/test_triton_compile.py compiles for sm_80 / sm_90)."""
     global _FIXED
-    previous, _FIXED = _FIXED, dict(BLOCK_O=block_o, BLOCK_I=block_i, num_warps=num_warps)
+    previous, _FIXED = _FIXED, dict(BLOCK_O=block_o, BLOCK_I=block_i, num_warps=num_warps, num_stages=2)
     try:
         yield
     finally:
@@ -107,10 +108,15 @@ def row_gemv(w: Tensor, x: Tensor, bias: Tensor | None = None, add: Tensor | Non
     if w.dim() != 2 or x.shape != (w.shape[1],) or w.stride(1) != 1:
         raise ValueError(f"row_gemv needs w [O, I] with unit column stride and x [I]; got {tuple(w.shape)}, "
                          f"stride {w.stride()}, x {tuple(x.shape)}")  # fmt: skip
-    for name, t in (("x", x), ("bias", bias), ("add", add)):
-        if t is not None and t.dtype != torch.float32:
-            raise ValueError(f"row_gemv: {name} must be float32, got {t.dtype}")
+    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"row_gemv: w must be float16, bfloat16 or float32, got {w.dtype}")
     o, i = w.shape
+    for name, t, shape in (("x", x, (i,)), ("bias", bias, (o,)), ("add", add, (o,))):
+        if t is not None and (t.dtype != torch.float32 or t.shape != shape or t.device != w.device):
+            raise ValueError(
+                f"row_gemv: {name} must be float32 {list(shape)} on {w.device}, got {t.dtype} "
+                f"{list(t.shape)} on {t.device}"
+            )
     y = torch.empty(o, dtype=torch.float32, device=w.device)
     x, bias, add = (
         x.contiguous(),

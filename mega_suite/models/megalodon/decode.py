@@ -28,6 +28,7 @@ loops): on a 2-core CPU it is the fastest path, 1.4-1.6x the fp32 weight-read fl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -55,23 +56,44 @@ def mkldnn_available(device: torch.device) -> bool:
 # - "triton": ``kernels.gemv``'s autotuned kernel (``mega_suite::row_gemv``), bias and residual in its
 #   epilogue.
 # "cublas" and "triton" are not yet measured on a GPU: bench/decode_gpu.py --gemv mv,cublas,triton times
-# them side by side.
+# them side by side. Read when a step is traced or captured (torch.compile guards on it); a StaticDecoder
+# built with ``row_gemv=`` sets it around its own compile, captures and steps (``cuda_row_gemv``).
 CUDA_ROW_GEMV = "mv"
 CUDA_ROW_GEMVS = ("mv", "mm", "cublas", "triton")
 
 
+def _check_row_gemv(kind: str) -> str:
+    if kind not in CUDA_ROW_GEMVS:
+        raise ValueError(f"CUDA_ROW_GEMV must be one of {CUDA_ROW_GEMVS}, got {kind!r}")
+    return kind
+
+
+@contextlib.contextmanager
+def cuda_row_gemv(kind: str | None):
+    """``CUDA_ROW_GEMV = kind`` inside the ``with`` block (None: unchanged)."""
+    global CUDA_ROW_GEMV
+    if kind is None:
+        yield
+        return
+    previous, CUDA_ROW_GEMV = CUDA_ROW_GEMV, _check_row_gemv(kind)
+    try:
+        yield
+    finally:
+        CUDA_ROW_GEMV = previous
+
+
 def _row_gemv_kind(x: Tensor) -> str:
-    """The one-row bf16 GEMV for ``x``'s device: ``CUDA_ROW_GEMV`` on CUDA, ``torch.mv`` on the CPU (read at
-    trace time: a compiled step or a captured graph keeps the choice it was built with)."""
-    return CUDA_ROW_GEMV if x.is_cuda else "mv"
+    """The one-row bf16 GEMV for ``x``'s device: ``CUDA_ROW_GEMV`` on CUDA, ``torch.mv`` on the CPU."""
+    return _check_row_gemv(CUDA_ROW_GEMV) if x.is_cuda else "mv"
 
 
 class Gemv:
     """y = x Wᵀ + b (+ add) for x [B, I] float32 -> [B, O] float32, with W stored for one kernel.
 
     ``weight`` [O, I] and ``bias`` [O] (or None) are float32 (already folded); the stored copy is the only
-    one read at decode time: float32 as Wᵀ [I, O] or, for I > O, W [O, I] (``x @ Wᵀ`` either way), bfloat16 as W [O, I] (``torch.mv``, the
-    faster bf16 layout here), int8 as W [O, I] with per-row scales, or oneDNN's reordered blocks.
+    one read at decode time: float32 as Wᵀ [I, O] or, for I > O, W [O, I] (``x @ Wᵀ`` either way),
+    bfloat16 as W [O, I] (``torch.mv``, the faster bf16 layout here; on CUDA see ``CUDA_ROW_GEMV``), int8
+    as W [O, I] with per-row scales, or oneDNN's reordered blocks.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, kind: str):
@@ -109,6 +131,9 @@ class Gemv:
                 bias = add if bias is None else add + bias
             wt = self.w.t() if self.dot else self.w  # Wᵀ [I, O], a view either way
             return x @ wt if bias is None else torch.addmm(bias, x, wt)
+        one_row = x.shape[0] == 1 and self.kind == "rows"
+        if one_row and _row_gemv_kind(x) == "triton":  # the rounding to bf16, bias and add in the kernel
+            return gemv.row_gemv(self.w, x[0], bias, None if add is None else add[0])[None]
         xl = x.to(torch.bfloat16)
         if self.kind == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(xl, self.w, self.scale)
@@ -116,11 +141,9 @@ class Gemv:
             y = torch.ops.mkldnn._linear_pointwise(xl, self.w, None, "none", [], "")
         else:  # "rows": W [O, I]
             row_kind = _row_gemv_kind(xl)
-            if xl.shape[0] == 1 and row_kind == "triton":  # the rounding to bf16, bias and add in the kernel
-                return gemv.row_gemv(self.w, x[0], bias, None if add is None else add[0])[None]
-            if xl.shape[0] == 1 and row_kind == "cublas":
+            if one_row and row_kind == "cublas":
                 y = gemv.mv(self.w, xl[0])[None]
-            elif xl.shape[0] == 1 and row_kind != "mm":
+            elif one_row and row_kind != "mm":
                 y = torch.mv(self.w, xl[0])[None]
             else:
                 y = xl @ self.w.t()
@@ -376,7 +399,8 @@ class StaticDecoder:
     t = pos mod C is a device tensor (RoPE row and KV write index read from it); the new key / value are
     written into [B, C, ...] buffers at row t; attention runs over the first ``end`` rows of those buffers,
     where ``end`` is the smallest of ``buckets`` equal steps of C that covers t + 1, rows > t masked (−inf).
-    ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
+    ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (``CUDA_ROW_GEMV``'s values; None: the
+    module's setting). ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
     sharing one memory pool; a step reads at most C/8 rows more than the eager one) and to C otherwise (exactly
     t + 1 rows). ``compile``: the step through torch.compile, compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
@@ -387,8 +411,9 @@ class StaticDecoder:
     @torch.no_grad()
     def __init__(
         self, model: nn.Module, cache, buckets: int | None = None, graphs: bool | None = None,
-        compile: bool = False,
+        compile: bool = False, row_gemv: str | None = None,
     ):  # fmt: skip
+        self.row_gemv = None if row_gemv is None else _check_row_gemv(row_gemv)
         if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
             raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
         self.model, self.plan = model, model.decode_plan()
@@ -423,7 +448,8 @@ class StaticDecoder:
             if self.chunk < 2:
                 raise ValueError("compile=True needs chunk_size >= 2")
             self.ends = sorted({max(e, 2) for e in self.ends})
-            self._step = self._compile()
+            with cuda_row_gemv(self.row_gemv):
+                self._step = self._compile()
         else:
             self._step = lambda end: self._step_rows(self.rows[:end])
 
@@ -570,12 +596,13 @@ class StaticDecoder:
         end = next(e for e in self.ends if e > offset)
         self.tokens.copy_(tokens, non_blocking=True)
         self.pos_t.fill_(self.position)
-        if self.graphs:
-            if end not in self._graphs:
-                self._graphs[end] = self._capture(end)
-            graph, logits = self._graphs[end]
-            graph.replay()
-        else:
-            logits = self._step(end)
+        with cuda_row_gemv(self.row_gemv):  # the same choice at every trace, capture and guard check
+            if self.graphs:
+                if end not in self._graphs:
+                    self._graphs[end] = self._capture(end)
+                graph, logits = self._graphs[end]
+                graph.replay()
+            else:
+                logits = self._step(end)
         self.position += 1
         return logits
