@@ -187,17 +187,17 @@ def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
     return ratio <= 4 or b * h * c * c * 4 > (512 << 20)
 
 
-def _prefer_blocked(c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
-    """Causal, no padding, no dropout, dk != dv: ``_BlockedCausal`` (dk-wide scores, 5/8 of C x C, in
-    float32) rather than Q and K padded to dv for SDPA's flash kernel? Measured on CPU (``python -m
-    bench.attention_cpu``, 2 threads, forward + backward, chunks x heads 1 and 4; bench/RESULTS.md §20):
-    in float32 blocked takes 0.44-0.96x the time wherever dv >= 256 or C <= 1024 (one cell 1.04), and
-    1.1-1.6x at C = 2048 with dv <= 128 and 4 chunks x heads (0.84-0.99x with one), where the elementwise
+def _prefer_blocked(n: int, c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
+    """Causal, no padding, no dropout, dk != dv, ``n`` chunks x heads of C tokens: ``_BlockedCausal``
+    (dk-wide scores, 5/8 of C x C, in float32) rather than Q and K padded to dv for SDPA's flash kernel?
+    Measured on CPU (``python -m bench.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
+    2048 tokens; bench/RESULTS.md §20): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256 or C <= 1024 (one cell 1.04), and
+    1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch 1), where the elementwise
     passes over the materialised probabilities cost more than flash's wider products; with bf16 inputs
     (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or dv >= 512, up to 1.5x elsewhere.
-    The caller also keeps the padded flash path when the full probabilities would exceed 512 MB (blocked
-    materialises a quarter of them at a time, twice that in backward), a size not measured here."""
-    if c < 256 or dk == dv:
+    Padded flash also when the full probabilities would exceed 512 MB (blocked materialises a quarter of
+    them at a time, twice that in backward), a size not measured here."""
+    if c < 256 or dk == dv or n * c * c * 4 > (512 << 20):
         return False
     if dtype in (torch.bfloat16, torch.float16):
         return c <= 512 or dv >= 512
@@ -249,7 +249,7 @@ def chunk_attention(
     qf, kf, vf = _fold(q, nc, c), _fold(k, nc, c), _fold(v, nc, c)
     # CPU, causal, nothing masked: the faster of the two paths for these widths (measured on the CPU only)
     cpu_plain = q.device.type == "cpu" and causal and key_padding_mask is None and dropout_p == 0.0
-    blocked = cpu_plain and _prefer_blocked(c, dk, dv, q.dtype) and b * nc * h * c * c * 4 <= (512 << 20)
+    blocked = cpu_plain and _prefer_blocked(b * nc * h, c, dk, dv, q.dtype)
     width = dv
     friendly = not blocked and _flash_friendly(b * nc, c, h, dk, dv)
     if friendly and not _use_flash(qf, kf, vf):
