@@ -56,11 +56,14 @@ def _log(q: Tensor) -> Tensor:
 
 def _powers(log_q: Tensor, steps: Tensor, like: Tensor) -> Tensor:
     """exp(log_q * steps) in float64 (magnitude and phase as real tensors: complex exp is not vectorised on
-    CPU, 10x slower), returned in the complex dtype of ``like``."""
+    CPU, 10x slower), returned in the complex dtype of ``like``: |q|^s (cos sθ + i sin sθ), written out
+    because ``torch.polar`` is 3x slower than the two vectorised products on CPU (1.8 vs 0.6 ms at
+    [512, 23, 16], 1 thread; a 512-token prompt of megalodon_cpu_bench 286 vs 292 ms, in one process)."""
     steps = steps.to(torch.float64)
     rdt = torch.float64 if like.dtype == torch.complex128 else torch.float32
-    phase = torch.remainder(log_q.imag * steps, 2 * math.pi)  # reduced in float64, then exact enough in fp32
-    return torch.polar(torch.exp(log_q.real * steps).to(rdt), phase.to(rdt))
+    phase = torch.remainder(log_q.imag * steps, 2 * math.pi).to(rdt)  # reduced in float64, then exact enough
+    magnitude = torch.exp(log_q.real * steps).to(rdt)
+    return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
 
 
 def _block_size(length: int) -> int:
