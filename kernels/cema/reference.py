@@ -65,7 +65,10 @@ def _powers(log_q: Tensor, steps: Tensor, like: Tensor) -> Tensor:
     [512, 23, 16], 1 thread; a 512-token prompt of megalodon_cpu_bench 286 vs 292 ms, in one process)."""
     steps = steps.to(torch.float64)
     rdt = torch.float64 if like.dtype == torch.complex128 else torch.float32
-    phase = torch.remainder(log_q.imag * steps, 2 * math.pi).to(rdt)  # reduced in float64, then exact enough
+    # reduced mod 2π in float64 (then exact enough in float32) as x - 2π floor(x / 2π): the same to 1e-12
+    # rad for the phases here, and 2-3x faster than torch.remainder on CPU
+    angle = log_q.imag * steps
+    phase = (angle - (2 * math.pi) * torch.floor(angle * (0.5 / math.pi))).to(rdt)
     magnitude = torch.exp(log_q.real * steps).to(rdt)
     return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
 
