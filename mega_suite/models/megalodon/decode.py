@@ -23,7 +23,8 @@ float32 / bfloat16: ``matmul`` (float32: x @ Wᵀ with Wᵀ stored contiguous, r
 
 ``StaticDecoder`` runs the same step on fixed buffers, for CUDA graphs and for ``torch.compile`` (the CEMA
 and RoPE products in real arithmetic there, so that Inductor fuses a block's elementwise ops into a few
-loops): on a 2-core CPU it is the fastest path, 1.4-1.6x the fp32 weight-read floor (bench/RESULTS.md §16).
+loops): on a 2-core CPU it is the fastest path, 1.3-1.4x the fp32 weight-read floor 512 tokens into a chunk
+(bench/RESULTS.md §19).
 """
 
 from __future__ import annotations
@@ -399,10 +400,10 @@ class StaticDecoder:
     t = pos mod C is a device tensor (RoPE row and KV write index read from it); the new key / value are
     written into [B, C, ...] buffers at row t; attention runs over the first ``end`` rows of those buffers,
     where ``end`` is the smallest of ``buckets`` equal steps of C that covers t + 1, rows > t masked (−inf).
-    ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (``CUDA_ROW_GEMV``'s values; None: the
-    module's setting). ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
+    ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
     sharing one memory pool; a step reads at most C/8 rows more than the eager one) and to C otherwise (exactly
-    t + 1 rows). ``compile``: the step through torch.compile, compiled in the constructor (see ``_compile``).
+    t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a value of ``CUDA_ROW_GEMV``;
+    None: the module's setting). ``compile``: the step through torch.compile, compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does).
     """
