@@ -218,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             paths.append((f"{label}, GEMV {v}", lambda dec=dec: dec.step(next(it))))
     else:
         paths.append(("static, no graph", lambda: static.step(next(it))))
-    if (
-        args.compile and not variants
-    ):  # one Inductor graph, the attended length dynamic, compiled in the constructor
+    if args.compile and not variants:
+        # one Inductor graph, the attended length dynamic, compiled in the constructor
         t_c = time.perf_counter()
         compiled = decode.StaticDecoder(model, cache, graphs=False, compile=True)
         print(f"torch.compile of the static step: {time.perf_counter() - t_c:.0f} s", flush=True)
