@@ -426,20 +426,24 @@ def stage_kernels() -> Outcome:
 BLOCK_LENGTHS = (4096, 32768)
 
 
-def block_step(kind: str, length: int, compile: bool = False):
+def block_step(kind: str, length: int, compile: bool | str = False):
     """One 7B-width block's forward + backward at batch 1, bf16-mixed, as a function that also drops the
-    gradients (``compile``: torch.compile'd, Inductor, as ``trainer.compile=true`` compiles each block)."""
+    gradients (``compile``: torch.compile'd, Inductor, as ``trainer.compile=true`` compiles each block; a
+    string is ``trainer.compile_mode``, e.g. "reduce-overhead": CUDA graphs, a new step marked per call)."""
     import torch
 
     from bench import block as bb
 
     torch.manual_seed(0)
     block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
-    run = torch.compile(block) if compile else block
+    mode = compile if isinstance(compile, str) and compile != "default" else None
+    run = torch.compile(block, mode=mode) if compile else block
     x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
     ct = torch.randn(1, length, 4096, device="cuda")
 
     def step():
+        if mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", torch.bfloat16):
             out = run(x)
         out = out[0] if isinstance(out, tuple) else out
@@ -451,7 +455,7 @@ def block_step(kind: str, length: int, compile: bool = False):
     return step
 
 
-def _block_ms(kind: str, length: int, compile: bool = False) -> float:
+def _block_ms(kind: str, length: int, compile: bool | str = False) -> float:
     """Median fwd+bwd time (ms) of :func:`block_step`."""
     import triton.testing
 

@@ -3,6 +3,7 @@
     python -m bench.gpu_profile                 # L = 4096, bf16-mixed, forward + backward, top 30 kernels
     python -m bench.gpu_profile --length 32768 --top 20
     python -m bench.gpu_profile --walls 4096,32768    # wall ms, eager and torch.compile'd, no profile
+    python -m bench.gpu_profile --walls 4096 --modes eager,default,reduce-overhead   # + CUDA graphs
 
 The blocks are gpu_check's ``block`` stage's (bench/block.py ``build_block`` at the 7B widths). After three
 warm-up steps (Triton autotune, cuBLAS heuristics), one step is profiled; the table lists the device kernels
@@ -57,19 +58,24 @@ def profile_block(kind: str, length: int, top: int) -> str:
     return head + markdown_table(["kernel", "calls", "ms", "share"], rows) + "\n"
 
 
-def walls(lengths: list[int], out: Path | None) -> int:
-    """Median fwd+bwd wall ms of each block, eager and compiled (gpu_check's ``_block_ms``), and M / L."""
+def walls(lengths: list[int], out: Path | None, modes: tuple[str, ...] = ("eager", "default")) -> int:
+    """Median fwd+bwd wall ms of each block, eager and compiled (gpu_check's ``_block_ms``; a mode other than
+    "eager" is torch.compile's, e.g. "reduce-overhead": CUDA graphs), and M / L."""
     import time
 
     from bench.gpu_check import _block_ms
 
     rows = []
-    for compiled in (False, True):
+    for mode in modes:
+        compiled = False if mode == "eager" else mode
         for length in lengths:
             t0 = time.perf_counter()
             t = {kind: _block_ms(kind, length, compile=compiled) for kind in ("megalodon", "llama")}
             torch.cuda.empty_cache()
-            rows.append(["torch.compile" if compiled else "eager", length, f"{t['megalodon']:.1f}",
+            label = (
+                "eager" if mode == "eager" else "torch.compile" + ("" if mode == "default" else f" {mode}")
+            )
+            rows.append([label, length, f"{t['megalodon']:.1f}",
                          f"{t['llama']:.1f}", f"{t['megalodon'] / t['llama']:.2f}",
                          f"{time.perf_counter() - t0:.0f}"])  # fmt: skip
             print(" | ".join(map(str, rows[-1])), flush=True)
@@ -86,12 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--walls", default=None, help="comma list of lengths: wall ms eager and compiled instead")
+    ap.add_argument(
+        "--modes", default="eager,default",
+        help="with --walls: eager and/or torch.compile modes (default, reduce-overhead, max-autotune, ...)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu_profile: needs a CUDA device", file=sys.stderr)
         return 2
     if args.walls:
-        return walls([int(n) for n in args.walls.split(",")], args.out)
+        return walls([int(n) for n in args.walls.split(",")], args.out, tuple(args.modes.split(",")))
     text = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16-mixed, fwd + bwd, batch 1\n\n"
     for kind in ("megalodon", "llama"):
         part = profile_block(kind, args.length, args.top)

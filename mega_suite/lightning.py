@@ -104,9 +104,19 @@ class SuiteModule(L.LightningModule):
         if not self.trainer_cfg.get("compile", False):
             return
         backend = self.trainer_cfg.get("compile_backend", "inductor")
+        mode = self.trainer_cfg.get("compile_mode", "default")
         for unit in self.model.compile_units():
             if getattr(unit, "_compiled_call_impl", None) is None:
-                unit.compile(backend=backend)
+                unit.compile(backend=backend, mode=None if mode == "default" else mode)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """With CUDA-graph compile modes, a new training step begins here: the graphs' outputs of the last
+        step may be overwritten (``torch.compiler.cudagraph_mark_step_begin``; no effect on the CPU)."""
+        if self.trainer_cfg.get("compile", False) and self.trainer_cfg.get("compile_mode", "default") in (
+            "reduce-overhead",
+            "max-autotune",
+        ):
+            torch.compiler.cudagraph_mark_step_begin()
 
     def materialize(self, sharded: bool) -> None:
         """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
@@ -308,6 +318,7 @@ class CausalLM(SuiteModule):
         return hidden, batch["target"][:, start:stop]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
         # The chunk-parallel hooks stay attached through the backward (activation checkpointing recomputes
         # the norms and CEMA there) and are cleared before any evaluation, which attaches its own.
         if self.chunk_parallel is not None:

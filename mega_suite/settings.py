@@ -87,6 +87,9 @@ class TrainerSection:
     # default): use it with fixed-length batches (the language models'), not length-bucketed ones.
     compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (capture only, no code generation) | ...
+    # torch.compile's mode (Inductor only): default | reduce-overhead (CUDA graphs: one launch per compiled
+    # graph instead of one per kernel, for launch-bound steps) | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     deterministic: bool = False
     progress_bar: bool = True
 
@@ -434,10 +437,22 @@ def _validate_mode(cfg: DictConfig) -> None:
                 raise ConfigError(f"{key}={cfg[key]} is read by mode=eval_context only (mode={mode})")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def _validate_trainer(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.chunk_parallel != 1:
         _validate_chunk_parallel(cfg)
+    if t.compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"trainer.compile_mode={t.compile_mode!r}; expected one of {', '.join(COMPILE_MODES)}"
+        )
+    if t.compile_mode != "default" and t.compile_backend != "inductor":
+        raise ConfigError(
+            f"trainer.compile_mode={t.compile_mode!r} is an Inductor mode; trainer.compile_backend is "
+            f"{t.compile_backend!r}"
+        )
     if t.compile:
         import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
 

@@ -127,6 +127,54 @@ def test_inductor_on_cuda_equals_eager(kind, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    """``trainer.compile_mode`` is passed to each block's ``compile`` (None for "default"), and a CUDA-graph
+    mode marks a new step at every training batch (``torch.compiler.cudagraph_mark_step_begin``)."""
+    calls, marks = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    for mode, want in (
+        ("default", None),
+        ("reduce-overhead", "reduce-overhead"),
+        ("max-autotune", "max-autotune"),
+    ):
+        calls.clear()
+        module = make("lm", compile_=False)
+        module.trainer_cfg.update(compile=True, compile_backend="inductor", compile_mode=mode)
+        module.configure_model()
+        assert calls and all(c == dict(backend="inductor", mode=want) for c in calls)
+        module.on_train_batch_start({}, 0)
+    assert len(marks) == 2  # the two CUDA-graph modes
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reduce_overhead_on_cuda_equals_eager(monkeypatch):
+    """``trainer.compile_mode=reduce-overhead`` (Inductor + CUDA graphs per block), two training steps of the
+    LM: each step's loss and gradients equal the eager ones (the second step replays the graphs)."""
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    torch._dynamo.reset()
+    eager = make("lm", compile_=False).cuda()
+    compiled = copy.deepcopy(eager)
+    compiled.trainer_cfg.update(compile=True, compile_backend="inductor", compile_mode="reduce-overhead")
+    compiled.configure_model()
+    for step in range(2):
+        results = []
+        for module in (eager, compiled):
+            module.model.train()
+            module.on_train_batch_start({}, step)
+            torch.manual_seed(3 + step)
+            loss = loss_of(module, "lm", device="cuda")
+            loss.backward()
+            results.append((loss.detach().clone(), [p.grad.clone() for p in module.model.parameters()]))
+            module.model.zero_grad(set_to_none=True)
+        (le, ge), (lc, gc) = results
+        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter (CPU tensors)")
 @pytest.mark.parametrize("kind", ["lm", "classifier"])
 def test_a_block_on_the_triton_kernels_compiles_whole(kind, monkeypatch):

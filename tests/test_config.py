@@ -129,3 +129,15 @@ def test_wt103_global_batch_is_the_papers_147456_tokens_on_any_device_count():
         cfg = load_config(["recipe=wt103", f"trainer.devices={devices}"])
         apply_global_batch(cfg)
         assert cfg.trainer.accumulate_grad_batches == accumulate == max(1, round(147456 / (8192 * devices)))
+
+
+def test_compile_mode_is_checked_before_any_work():
+    with pytest.raises(ConfigError, match=r"trainer\.compile_mode='reduce_overhead'.*reduce-overhead"):
+        load_config(["recipe=debug", "trainer.compile=true", "trainer.compile_mode=reduce_overhead"])
+    with pytest.raises(ConfigError, match=r"compile_mode='reduce-overhead' is an Inductor mode.*'aot_eager'"):
+        load_config(["recipe=debug", "trainer.compile=true", "trainer.compile_backend=aot_eager",
+                     "trainer.compile_mode=reduce-overhead"])  # fmt: skip
+    assert (
+        load_config(["recipe=debug", "trainer.compile_mode=max-autotune"]).trainer.compile_mode
+        == "max-autotune"
+    )
