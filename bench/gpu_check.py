@@ -441,8 +441,10 @@ def block_step(kind: str, length: int, compile: bool | str = False):
     x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
     ct = torch.randn(1, length, 4096, device="cuda")
 
+    from mega_suite.settings import CUDAGRAPH_MODES
+
     def step():
-        if mode is not None:
+        if mode in CUDAGRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", torch.bfloat16):
             out = run(x)

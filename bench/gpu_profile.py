@@ -97,11 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         help="with --walls: eager and/or torch.compile modes (default, reduce-overhead, max-autotune, ...)",
     )  # fmt: skip
     args = ap.parse_args(argv)
+    modes = tuple(args.modes.split(","))
+    from mega_suite.settings import COMPILE_MODES
+
+    if any(m not in ("eager", *COMPILE_MODES) for m in modes):
+        ap.error(f"--modes {args.modes}: each of eager, {', '.join(COMPILE_MODES)}")
     if not torch.cuda.is_available():
         print("bench.gpu_profile: needs a CUDA device", file=sys.stderr)
         return 2
     if args.walls:
-        return walls([int(n) for n in args.walls.split(",")], args.out, tuple(args.modes.split(",")))
+        return walls([int(n) for n in args.walls.split(",")], args.out, modes)
     text = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16-mixed, fwd + bwd, batch 1\n\n"
     for kind in ("megalodon", "llama"):
         part = profile_block(kind, args.length, args.top)

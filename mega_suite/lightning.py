@@ -112,10 +112,9 @@ class SuiteModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """With CUDA-graph compile modes, a new training step begins here: the graphs' outputs of the last
         step may be overwritten (``torch.compiler.cudagraph_mark_step_begin``; no effect on the CPU)."""
-        if self.trainer_cfg.get("compile", False) and self.trainer_cfg.get("compile_mode", "default") in (
-            "reduce-overhead",
-            "max-autotune",
-        ):
+        from mega_suite.settings import CUDAGRAPH_MODES
+
+        if self.trainer_cfg.get("compile", False) and self.trainer_cfg.get("compile_mode") in CUDAGRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
 
     def materialize(self, sharded: bool) -> None:

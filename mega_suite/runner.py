@@ -23,6 +23,7 @@ from mega_suite.callbacks import (
 from mega_suite.lightning import NonFiniteLossError, build_module
 from mega_suite.settings import (
     ConfigError,
+    check_cudagraph_mode,
     data_module,
     data_option,
     model_config,
@@ -198,6 +199,7 @@ def apply_global_batch(cfg: DictConfig) -> None:
     per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * device_count(cfg) * cfg.trainer.num_nodes
     accumulate = max(1, round(target / per_step))
     cfg.trainer.accumulate_grad_batches = accumulate
+    check_cudagraph_mode(cfg)  # the accumulation is known only now
     print(
         f"[mega-suite] global batch {target} tokens = {per_step:g} tokens per step x {accumulate} accumulation "
         f"({per_step * accumulate:g} tokens)"

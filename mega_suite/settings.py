@@ -88,7 +88,9 @@ class TrainerSection:
     compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (capture only, no code generation) | ...
     # torch.compile's mode (Inductor only): default | reduce-overhead (CUDA graphs: one launch per compiled
-    # graph instead of one per kernel, for launch-bound steps) | max-autotune | max-autotune-no-cudagraphs
+    # graph instead of one per kernel, for launch-bound steps) | max-autotune | max-autotune-no-cudagraphs.
+    # The CUDA-graph modes (CUDAGRAPH_MODES) are for training on one GPU per process without FSDP (no effect
+    # on the CPU): refused with FSDP, gradient accumulation, activation checkpointing and outside mode=fit.
     compile_mode: str = "default"
     deterministic: bool = False
     progress_bar: bool = True
@@ -438,6 +440,36 @@ def _validate_mode(cfg: DictConfig) -> None:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that capture CUDA graphs
+
+
+def check_cudagraph_mode(cfg: DictConfig) -> None:
+    """A CUDA-graph compile mode keeps each compiled block's outputs (activations, and the parameters'
+    gradients from the compiled backward) in graph memory that the next step overwrites. Refused where that
+    breaks or is unverified: gradient accumulation (the next micro-batch adds into overwritten gradients:
+    torch stops with an error), FSDP2 (parameters re-gathered at new addresses every step: the graphs
+    re-record), activation checkpointing (compiled forwards replayed inside backward, untested), and
+    evaluation-only modes (no training step marks where one graph generation ends)."""
+    t = cfg.trainer
+    if not t.compile or t.compile_mode not in CUDAGRAPH_MODES:
+        return
+    name = f"trainer.compile_mode={t.compile_mode!r} (CUDA graphs)"
+    way_out = "use trainer.compile_mode=default or max-autotune-no-cudagraphs"
+    if t.accumulate_grad_batches > 1:
+        raise ConfigError(
+            f"{name} cannot accumulate gradients (trainer.accumulate_grad_batches={t.accumulate_grad_batches}, "
+            f"set directly or by trainer.global_batch_tokens): the next micro-batch would add into graph "
+            f"memory already overwritten; {way_out}"
+        )
+    if t.strategy in ("fsdp", "hsdp"):
+        raise ConfigError(
+            f"{name} needs fixed parameter addresses; trainer.strategy={t.strategy!r} (FSDP2) re-gathers them "
+            f"every step; {way_out}"
+        )
+    if t.gradient_checkpointing:
+        raise ConfigError(f"{name} with trainer.gradient_checkpointing=true is untested; {way_out}")
+    if cfg.mode != "fit":
+        raise ConfigError(f"{name} is for training (mode=fit); mode={cfg.mode!r}: {way_out}")
 
 
 def _validate_trainer(cfg: DictConfig) -> None:
@@ -448,11 +480,14 @@ def _validate_trainer(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.compile_mode={t.compile_mode!r}; expected one of {', '.join(COMPILE_MODES)}"
         )
+    if t.compile_mode != "default" and not t.compile:
+        raise ConfigError(f"trainer.compile_mode={t.compile_mode!r} applies with trainer.compile=true")
     if t.compile_mode != "default" and t.compile_backend != "inductor":
         raise ConfigError(
             f"trainer.compile_mode={t.compile_mode!r} is an Inductor mode; trainer.compile_backend is "
             f"{t.compile_backend!r}"
         )
+    check_cudagraph_mode(cfg)
     if t.compile:
         import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
 

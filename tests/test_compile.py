@@ -137,6 +137,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
         ("default", None),
         ("reduce-overhead", "reduce-overhead"),
         ("max-autotune", "max-autotune"),
+        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
     ):
         calls.clear()
         module = make("lm", compile_=False)
@@ -144,31 +145,36 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
         module.configure_model()
         assert calls and all(c == dict(backend="inductor", mode=want) for c in calls)
         module.on_train_batch_start({}, 0)
-    assert len(marks) == 2  # the two CUDA-graph modes
+    assert len(marks) == 2  # the two CUDA-graph modes only
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reduce_overhead_on_cuda_equals_eager(monkeypatch):
-    """``trainer.compile_mode=reduce-overhead`` (Inductor + CUDA graphs per block), two training steps of the
-    LM: each step's loss and gradients equal the eager ones (the second step replays the graphs)."""
+    """``trainer.compile_mode=reduce-overhead`` (Inductor + CUDA graphs per block): four training steps of the
+    LM, each with gradient clipping and an AdamW step (parameters updated in place, at fixed addresses),
+    eager and compiled side by side: every step's loss and gradients agree. CUDA-graph trees warm up on the
+    first step, record on the second and replay from the third on."""
     monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     torch._dynamo.reset()
     eager = make("lm", compile_=False).cuda()
     compiled = copy.deepcopy(eager)
     compiled.trainer_cfg.update(compile=True, compile_backend="inductor", compile_mode="reduce-overhead")
     compiled.configure_model()
-    for step in range(2):
+    optims = [torch.optim.AdamW(m.model.parameters(), lr=1e-3) for m in (eager, compiled)]
+    for step in range(4):
         results = []
-        for module in (eager, compiled):
+        for module, opt in zip((eager, compiled), optims):
             module.model.train()
             module.on_train_batch_start({}, step)
             torch.manual_seed(3 + step)
             loss = loss_of(module, "lm", device="cuda")
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.model.parameters(), 1.0)
             results.append((loss.detach().clone(), [p.grad.clone() for p in module.model.parameters()]))
-            module.model.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         (le, ge), (lc, gc) = results
         torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
         for a, b in zip(gc, ge):

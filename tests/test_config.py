@@ -132,12 +132,41 @@ def test_wt103_global_batch_is_the_papers_147456_tokens_on_any_device_count():
 
 
 def test_compile_mode_is_checked_before_any_work():
+    compiled = ["recipe=debug", "trainer.compile=true"]
     with pytest.raises(ConfigError, match=r"trainer\.compile_mode='reduce_overhead'.*reduce-overhead"):
-        load_config(["recipe=debug", "trainer.compile=true", "trainer.compile_mode=reduce_overhead"])
+        load_config([*compiled, "trainer.compile_mode=reduce_overhead"])
     with pytest.raises(ConfigError, match=r"compile_mode='reduce-overhead' is an Inductor mode.*'aot_eager'"):
-        load_config(["recipe=debug", "trainer.compile=true", "trainer.compile_backend=aot_eager",
-                     "trainer.compile_mode=reduce-overhead"])  # fmt: skip
+        load_config([*compiled, "trainer.compile_backend=aot_eager", "trainer.compile_mode=reduce-overhead"])
+    with pytest.raises(ConfigError, match=r"compile_mode='max-autotune' applies with trainer\.compile=true"):
+        load_config(["recipe=debug", "trainer.compile_mode=max-autotune"])
     assert (
-        load_config(["recipe=debug", "trainer.compile_mode=max-autotune"]).trainer.compile_mode
-        == "max-autotune"
+        load_config([*compiled, "trainer.compile_mode=max-autotune"]).trainer.compile_mode == "max-autotune"
     )
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [("trainer.accumulate_grad_batches=2", r"cannot accumulate gradients.*accumulate_grad_batches=2"),
+     ("trainer.strategy=fsdp", r"fixed parameter addresses.*strategy='fsdp'"),
+     ("trainer.gradient_checkpointing=true", r"gradient_checkpointing=true is untested"),
+     ("mode=validate ckpt=last.ckpt", r"for training \(mode=fit\); mode='validate'")],
+)  # fmt: skip
+def test_cuda_graph_compile_modes_refuse_what_breaks_them(override, match):
+    """reduce-overhead / max-autotune keep outputs and gradients in graph memory the next step overwrites:
+    combinations where that breaks (or is untested) are refused at load, naming the way out; the modes
+    without CUDA graphs accept them."""
+    base = ["recipe=debug", "trainer.compile=true"]
+    with pytest.raises(ConfigError, match=match + r".*compile_mode=default or max-autotune-no-cudagraphs"):
+        load_config([*base, "trainer.compile_mode=reduce-overhead", *override.split()])
+    load_config([*base, "trainer.compile_mode=max-autotune-no-cudagraphs", *override.split()])
+
+
+def test_cuda_graph_mode_refuses_the_accumulation_a_global_batch_sets():
+    """trainer.global_batch_tokens sets the accumulation after loading (runner.apply_global_batch): the
+    check runs there again."""
+    from mega_suite.runner import apply_global_batch
+
+    cfg = load_config(["recipe=kjv", "trainer.compile=true", "trainer.compile_mode=reduce-overhead",
+                       "trainer.global_batch_tokens=1000000", "trainer.accelerator=cpu"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"cannot accumulate gradients.*global_batch_tokens"):
+        apply_global_batch(cfg)

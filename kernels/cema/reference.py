@@ -51,7 +51,8 @@ def cema_coefficients(
 def _log(q: Tensor) -> Tensor:
     """log q in complex128: powers q^l = exp(l log q) amplify the phase error of log q by l, so a complex64
     log loses ~l * 1e-7 rad (1e-3 at l = 4096). The power tables are small ([D, N] x sqrt(L)).
-    Written as log|q| + i arg q = ½ log(Re² + Im²) + i atan2(Im, Re) in float64 (|q| < 1 here: no overflow):
+    Written as log|q| + i arg q = ½ log(Re² + Im²) + i atan2(Im, Re) in float64 (|q| < 1: no overflow, and
+    |q| = 1 - σ(α)σ(δ) is far above float64's underflow):
     the same value to 5e-16 as complex ``torch.log``, which is not vectorised on CPU (0.09 vs 0.57 ms at
     [512, 16], 1 thread)."""
     re, im = q.real.to(torch.float64), q.imag.to(torch.float64)
