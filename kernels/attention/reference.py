@@ -191,10 +191,12 @@ def _prefer_blocked(n: int, c: int, dk: int, dv: int, dtype: torch.dtype) -> boo
     """Causal, no padding, no dropout, dk != dv, ``n`` chunks x heads of C tokens: ``_BlockedCausal``
     (dk-wide scores, 5/8 of C x C, in float32) rather than Q and K padded to dv for SDPA's flash kernel?
     Measured on CPU (``python -m bench.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
-    2048 tokens; bench/RESULTS.md §20): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256 or C <= 1024 (one cell 1.04), and
-    1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch 1), where the elementwise
-    passes over the materialised probabilities cost more than flash's wider products; with bf16 inputs
-    (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or dv >= 512, up to 1.5x elsewhere.
+    2048 tokens; bench/RESULTS.md §20): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256
+    or C <= 1024 (one cell 1.04), and 1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch
+    1), where the elementwise passes over the materialised probabilities cost more than flash's wider
+    products; with bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or
+    dv >= 512, up to 1.5x elsewhere. Shapes this rule leaves to flash that ``_flash_friendly`` does not pad
+    (dv / dk > 4 and probabilities under 512 MB) still run blocked, as before.
     Padded flash also when the full probabilities would exceed 512 MB (blocked materialises a quarter of
     them at a time, twice that in backward), a size not measured here."""
     if c < 256 or dk == dv or n * c * c * 4 > (512 << 20):

@@ -403,7 +403,8 @@ class StaticDecoder:
     ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
     sharing one memory pool; a step reads at most C/8 rows more than the eager one) and to C otherwise (exactly
     t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a value of ``CUDA_ROW_GEMV``;
-    None: the module's setting). ``compile``: the step through torch.compile, compiled in the constructor (see ``_compile``).
+    None: the module's setting). ``compile``: the step through torch.compile, compiled in the constructor
+    (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does).
     """
