@@ -4,6 +4,9 @@ python run.py                      # list the recipes
 python run.py recipe=lra_listops   # train (mode=fit), logs and checkpoints under runs/lra_listops/<time>/
 python run.py recipe=lra_listops resume=auto            # continue the latest run of that recipe
 python run.py recipe=lra_listops mode=test ckpt=PATH    # evaluate a checkpoint
+
+On Linux the process first restarts itself with tcmalloc preloaded where it is installed (faster and leaner
+than glibc's malloc for training on the CPU; ``mega_suite.malloc``); ``MEGA_MALLOC=system`` keeps glibc's.
 """
 
 from __future__ import annotations
@@ -62,5 +65,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def start() -> int:
+    """The command line's entry: the allocator first (``mega_suite.malloc``: may restart the process with
+    tcmalloc preloaded; imports no torch), then ``main``."""
+    from mega_suite import malloc
+
+    try:
+        note = malloc.reexec()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if note and os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"[mega-suite] {note}", file=sys.stderr, flush=True)
+    return main(sys.argv[1:])
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(start())

@@ -1,7 +1,9 @@
-"""glibc malloc settings against the language model's peak RSS and step time (bench/RESULTS.md §17).
+"""Allocators and glibc malloc settings against the language model's peak RSS and step time
+(bench/RESULTS.md §17, §23).
 
     python -m bench.malloc_ab                                  # 2K, 4K, 8K; all settings; 2 rounds
     python -m bench.malloc_ab --lengths 4K --modes default,trim --rounds 3
+    python -m bench.malloc_ab --modes default,tcmalloc,jemalloc
 
 ``megalodon_cpu_bench``, [1, L] tokens, fp32, AdamW, 2 threads; each (L, setting) runs in a fresh process,
 the settings taking turns within a round: one warm-up step, then the best of ``--steps`` steps; peak =
@@ -11,13 +13,16 @@ the process's ``ru_maxrss``; "sys s" = its kernel CPU time over all steps (page 
 - ``mmap1M``: ``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: every block of 1 MiB or more is mmapped and returned
   on free (and page-faulted again when allocated);
 - ``trim``: ``malloc_trim(0)`` once before each backward (freed heap pages handed back to the kernel);
-- ``trim_blocks``: ``malloc_trim(0)`` before every block's forward and backward.
+- ``trim_blocks``: ``malloc_trim(0)`` before every block's forward and backward;
+- ``tcmalloc`` / ``jemalloc``: that allocator in ``LD_PRELOAD`` (as ``run.py`` does, ``mega_suite.malloc``);
+  a mode whose library is not installed is left out with a note.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +31,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_description, markdown_table, parse_lengths
+from mega_suite import malloc
 
 HERE = Path(__file__).resolve().parents[1]
-MODES = ("default", "mmap1M", "trim", "trim_blocks")
+PRELOADED = tuple(malloc.LIBRARIES)  # tcmalloc, jemalloc
+MODES = ("default", "mmap1M", "trim", "trim_blocks", *PRELOADED)
 
 CHILD = r"""
 import ctypes, json, resource, sys, time
@@ -78,13 +85,22 @@ def main() -> None:
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"--modes {','.join(bad)}: expected some of {', '.join(MODES)}")
     print(f"# bench/malloc_ab.py: {machine_description()}\n")
+    env = {m: {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.MARK)} for m in modes}
+    for m in [m for m in modes if m in PRELOADED]:
+        lib = malloc.find(m)
+        if lib is None:
+            print(f"{m}: not installed ({' / '.join(malloc.LIBRARIES[m])}), left out")
+            modes.remove(m)
+        else:
+            print(f"{m}: {lib}")
+            env[m] = malloc.restart_env(env[m], lib)
     rows = []
     for n in parse_lengths(args.lengths):
         for r in range(args.rounds):
             base = None
             for mode in modes:
                 cmd = [sys.executable, "-c", CHILD, str(n), mode, str(args.steps)]
-                proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+                proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env[mode])
                 if proc.returncode:
                     raise SystemExit(f"L={n} {mode} failed:\n{proc.stderr[-3000:]}")
                 out = json.loads(proc.stdout.strip().splitlines()[-1])

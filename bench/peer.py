@@ -2,6 +2,7 @@
 
     python -m bench.peer --peer /path/to/megalodon-hf                  # 2K,4K,8K training, ingest, decode
     python -m bench.peer --peer /path/to/megalodon-hf --lengths 2K --rounds 3 --decode-tokens 50
+    python -m bench.peer --peer /path/to/megalodon-hf --malloc tcmalloc   # both sides under tcmalloc
 
 The port (Apache-2.0) is not vendored: give the path of a local checkout (``git clone
 https://github.com/pszemraj/megalodon-hf``); without one the benchmark says so and exits 0. The port imports
@@ -24,12 +25,17 @@ another time. Measurements:
   fp32 weight-read floor (``weight_read_floor``: one GEMV over a matrix as large as all the model's weights)
   and, for ours, the same greedy steps through ``decode.StaticDecoder(compile=True)`` after a fresh ingest
   ("compiled"; its compile time is not counted).
+
+``--malloc``: the allocator of every measuring process, both sides alike (``system``: glibc's malloc, the
+default; ``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does by default where tcmalloc is installed,
+``mega_suite.malloc``). The port's speed depends on it much more than ours (bench/RESULTS.md §23).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
@@ -59,6 +65,7 @@ from bench.common import (
     setup_threads,
     weight_read_floor,
 )
+from mega_suite import malloc
 
 PRESET = "megalodon_cpu_bench"
 # our config field -> the port's MegalodonConfig keyword (same meaning)
@@ -259,6 +266,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=100)
     ap.add_argument("--mem-cap-gb", type=float, default=18.0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides")
+    ap.add_argument("--malloc", default="system", choices=("system", *malloc.LIBRARIES))
     args = ap.parse_args()
     src = peer_source(args.peer)
     if src is None:
@@ -269,9 +277,18 @@ def main() -> None:
         )
         return
     setup_threads(args.threads)
+    # every measuring process is spawned (a fresh interpreter): it starts under the environment's allocator
+    for key in ("LD_PRELOAD", malloc.MARK):
+        os.environ.pop(key, None)
+    lib = None if args.malloc == "system" else malloc.find(args.malloc)
+    if args.malloc != "system" and lib is None:
+        sys.exit(f"--malloc {args.malloc}: not installed (no {' / '.join(malloc.LIBRARIES[args.malloc])})")
+    if lib is not None:
+        os.environ.update(malloc.restart_env(dict(os.environ), lib))
     print(f"# bench/peer.py  ({' '.join(sys.argv[1:])})")
     print(machine_description(args.threads))
     print(f"port: {src}")
+    print(f"allocator of both sides: {lib or 'glibc malloc'}")
     peer = str(args.peer)
 
     def pair(fn, **kw) -> list[tuple[Measurement, Measurement]]:

@@ -3,6 +3,7 @@
     python -m bench.small_models                                   # this checkout, fp32 and bf16-mixed
     python -m bench.small_models --baseline /tmp/base439 --rounds 3   # + an older checkout, alternating
     python -m bench.small_models --compile                         # + torch.compile (Inductor) of each block, as ``trainer.compile=true``
+    python -m bench.small_models --malloc system,tcmalloc          # each variant under both allocators
     python -m bench.small_models --profile pg19_small              # only: profiler table of one step
 
 Models (the recipes' model sections, built with ``create_model``):
@@ -16,6 +17,9 @@ A step is forward, loss, backward, AdamW step, gradients to None, in train mode 
 tokens / median step time over ``--steps`` steps after two warm-up steps (``--compile``: after the compile,
 whose wall time is printed). Every (checkout, variant) runs in a fresh process with ``--threads`` threads;
 rounds alternate checkouts so the machine's load drifts over both alike: compare ratios within a round.
+``--malloc``: the allocators each variant of this checkout runs under (``system``: glibc's malloc;
+``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does, ``mega_suite.malloc``; one not installed is left
+out with a note); the baseline runs under glibc's, as when the issue was written.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from bench.common import machine_description, markdown_table
 from bench.cpu_bar import matmul_peak_gflops
+from mega_suite import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,11 +120,16 @@ print(json.dumps(dict(step_s=statistics.median(times), tokens=b * n, params=para
 
 
 def run_one(
-    checkout: Path, model: str, precision: str, compile_: bool, steps: int, threads: int, profile: int = 0
-):
+    checkout: Path, model: str, precision: str, compile_: bool, steps: int, threads: int, profile: int = 0,
+    lib: Path | None = None,
+):  # fmt: skip
+    """One (checkout, variant) in a fresh process; ``lib``: an allocator to preload (None: glibc's)."""
     args = dict(model=MODELS[model], precision=precision, compile=compile_, steps=steps, threads=threads)
     args["profile"] = profile
-    env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.MARK)}
+    env.update(PYTHONPATH=str(checkout), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    if lib is not None:
+        env = malloc.restart_env(env, lib)
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(args)],
         env=env,
@@ -145,6 +155,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--malloc", default="system", help="comma list of system, tcmalloc, jemalloc")
     ap.add_argument(
         "--profile", metavar="MODEL", help="only: profile one step of MODEL (fp32, this checkout)"
     )
@@ -161,6 +172,18 @@ def main() -> None:
         if m not in MODELS:
             sys.exit(f"--models: unknown {m!r}; expected some of {sorted(MODELS)}")
     precisions = [p for p in a.precisions.split(",") if p]
+    allocators = {}
+    for name in [n for n in a.malloc.split(",") if n]:
+        if name == "system":
+            allocators[name] = None
+        elif name not in malloc.LIBRARIES:
+            sys.exit(f"--malloc: unknown {name!r}; expected some of system, {', '.join(malloc.LIBRARIES)}")
+        elif (lib := malloc.find(name)) is None:
+            print(f"--malloc {name}: not installed ({' / '.join(malloc.LIBRARIES[name])}), left out")
+        else:
+            allocators[name] = lib
+    if not allocators:
+        sys.exit("--malloc: none of the allocators asked for is installed")
     print(f"```\n{machine_description(a.threads)}\n```\n", flush=True)
     torch.set_num_threads(a.threads)
     peak = matmul_peak_gflops()
@@ -169,6 +192,7 @@ def main() -> None:
         flush=True,
     )
     variants = [(p, False) for p in precisions] + ([(p, True) for p in precisions] if a.compile else [])
+    variants = [(p, c, name) for p, c in variants for name in allocators]
     rows, base_tps = [], {}
     for r in range(1, a.rounds + 1):
         for m in models:
@@ -176,20 +200,22 @@ def main() -> None:
                 res = run_one(a.baseline, m, "32-true", False, a.steps, a.threads)
                 tps = res["tokens"] / res["step_s"] if "step_s" in res else None
                 base_tps[m, r] = tps
-                rows.append(_row(r, m, "baseline", "32-true", False, res, tps, None))
+                rows.append(_row(r, m, "baseline", "32-true", False, res, tps, None, "system"))
                 print(f"  round {r} {m} baseline: {_fmt(tps)} tok/s", flush=True)
-            for p, c in variants:
-                res = run_one(ROOT, m, p, c, a.steps, a.threads)
+            for p, c, name in variants:
+                res = run_one(ROOT, m, p, c, a.steps, a.threads, lib=allocators[name])
                 tps = res["tokens"] / res["step_s"] if "step_s" in res else None
                 ref = base_tps.get((m, r))
-                rows.append(_row(r, m, "this", p, c, res, tps, ref))
-                print(f"  round {r} {m} this {p}{' compiled' if c else ''}: {_fmt(tps)} tok/s", flush=True)
+                rows.append(_row(r, m, "this", p, c, res, tps, ref, name))
+                label = f"{p}{' compiled' if c else ''}{'' if name == 'system' else ' ' + name}"
+                print(f"  round {r} {m} this {label}: {_fmt(tps)} tok/s", flush=True)
     header = [
         "round",
         "model",
         "checkout",
         "precision",
         "compile",
+        "malloc",
         "step ms",
         "tokens/s",
         "x baseline",
@@ -199,17 +225,17 @@ def main() -> None:
     for row in rows:  # share of the fp32 matmul peak: the language model's analytic matmul FLOPs per token
         flops = lm_flops_per_token(row[1])
         row.append(
-            f"{100 * flops * row[6] / (peak * 1e9):.0f}%" if flops and isinstance(row[6], int) else "-"
+            f"{100 * flops * row[7] / (peak * 1e9):.0f}%" if flops and isinstance(row[7], int) else "-"
         )
     print()
     print(markdown_table(header, rows))
-    if a.baseline is not None:
+    if a.baseline is not None:  # per round the fastest variant of this checkout, then the median over rounds
         for m in models:
-            best = [
-                row[6] / base_tps[m, row[0]]
-                for row in rows
-                if row[1] == m and row[2] == "this" and row[6] and base_tps.get((m, row[0]))
-            ]
+            best = []
+            for r in range(1, a.rounds + 1):
+                mine = [row[7] for row in rows if row[:3] == [r, m, "this"] and isinstance(row[7], int)]
+                if mine and base_tps.get((m, r)):
+                    best.append(max(mine) / base_tps[m, r])
             if best:
                 print(f"{m}: best variant / baseline, median over rounds: {statistics.median(best):.2f}x")
 
@@ -229,12 +255,13 @@ def _fmt(x):
     return "-" if x is None else f"{x:,.0f}"
 
 
-def _row(r, m, checkout, p, c, res, tps, ref):
+def _row(r, m, checkout, p, c, res, tps, ref, alloc):
+    head = [r, m, checkout, p, "yes" if c else "no", alloc]
     if "error" in res:
-        return [r, m, checkout, p, "yes" if c else "no", "error", res["error"][:60], "-", "-"]
+        return [*head, "error", res["error"][:60], "-", "-"]
     ratio = f"{tps / ref:.2f}x" if ref else "-"
     comp = f"{res['compile_s']:.0f}" if res.get("compile_s") else "-"
-    return [r, m, checkout, p, "yes" if c else "no", f"{res['step_s'] * 1000:.0f}", round(tps), ratio, comp]
+    return [*head, f"{res['step_s'] * 1000:.0f}", round(tps), ratio, comp]
 
 
 if __name__ == "__main__":
