@@ -71,11 +71,11 @@ def start() -> int:
     from mega_suite import malloc
 
     try:
-        note = malloc.reexec()
+        note = malloc.reexec(__file__)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if note and os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+    if note and all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID")):
         print(f"[mega-suite] {note}", file=sys.stderr, flush=True)
     return main(sys.argv[1:])
 

@@ -15,9 +15,10 @@ spawns, DataLoader workers and Lightning's rank processes, inherits the variable
 environment variable ``MEGA_MALLOC``:
 
 - ``auto`` (default): tcmalloc if a ``libtcmalloc_minimal.so.4`` / ``libtcmalloc.so.4`` is found (Debian /
-  Ubuntu: ``apt-get install libtcmalloc-minimal4``), glibc's malloc otherwise;
+  Ubuntu: ``apt-get install libtcmalloc-minimal4``) and ``LD_PRELOAD`` is empty (a preload of the user's,
+  e.g. jemalloc or a sanitizer runtime, is left alone), glibc's malloc otherwise;
 - ``tcmalloc`` / ``jemalloc``: that library, or an error naming where it was looked for;
-- ``system``: glibc's malloc, no restart;
+- ``system``: no restart (an ``LD_PRELOAD`` inherited from the caller stays);
 - a path to a shared library: that library.
 
 Linux only (elsewhere nothing happens). torch's own launcher (``python -m torch.backends.xeon.run_cpu
@@ -101,32 +102,58 @@ def restart_env(env: dict[str, str], lib: Path) -> dict[str, str]:
     return out
 
 
-def loaded(lib: Path | str) -> bool:
+def loaded(lib: Path | str) -> bool | None:
     """Whether ``lib`` is mapped into this process (``/proc/self/maps`` names the file a symlink such as
-    libtcmalloc_minimal.so.4 points to)."""
+    libtcmalloc_minimal.so.4 points to); None where /proc cannot be read."""
     names = (f"/{Path(lib).name}", f"/{Path(lib).resolve().name}")
     try:
         with open("/proc/self/maps") as f:
             return any(line.rstrip().endswith(names) for line in f)
     except OSError:
+        return None
+
+
+def restartable(script: str | None = None) -> bool:
+    """Whether re-running ``sys.orig_argv`` repeats what is running now: not in an interactive session or
+    a script read from stdin (consumed), nor where this code was started from inside another program
+    (``runpy``, IPython's ``%run``: the command line is that program's). ``script``: the file that must be
+    the one running (``sys.argv[0]``)."""
+    argv, args = list(getattr(sys, "orig_argv", None) or []), sys.argv
+    if sys.flags.interactive or hasattr(sys, "ps1") or not args or args[0] in ("", "-"):
         return False
+    if script is not None and not (args[0] and Path(args[0]).resolve() == Path(script).resolve()):
+        return False
+    if len(argv) > len(args) and argv[-len(args) :] == args:  # python [options] script args
+        return True
+    flag = "-c" if args[0] == "-c" else "-m"  # python -c CODE args / -m MODULE args: argv[0] is not CODE
+    return flag in argv and argv[argv.index(flag) + 2 :] == args[1:]
 
 
-def reexec() -> str:
-    """Restart this process with the chosen allocator preloaded (``os.execv``: no return) unless it is
-    already loaded, we already restarted once, the setting is ``system`` or this is not Linux. Returns a
-    one-line note for the log ("" when nothing was chosen). Call before anything else runs."""
+def reexec(script: str | None = None) -> str:
+    """Restart this process with the chosen allocator preloaded (``os.execve``: no return) unless it is
+    already loaded, this process is such a restart, ``auto`` finds ``LD_PRELOAD`` already set (the user's
+    preload wins), the setting is ``system``, the command line cannot be re-run (``restartable``) or this
+    is not Linux. ``script``: the entry script that must be running (``run.py`` passes its ``__file__``).
+    Returns a one-line note for the log ("" when nothing was chosen). Call before anything else runs."""
     if not sys.platform.startswith("linux"):
         return ""
-    lib = choose(os.environ.get(ENV))
+    setting = os.environ.get(ENV)
+    lib = choose(setting)
     if lib is None:
         return ""
-    if loaded(lib):
+    is_loaded = loaded(lib)
+    if is_loaded:
         return f"malloc: {lib.name} ({ENV}=system for glibc's malloc)"
-    if os.environ.get(MARK):  # restarted, and still not loaded: the dynamic linker refused it
+    if os.environ.get(MARK) == str(lib):  # this process is the restart
+        if is_loaded is None:
+            return f"malloc: {lib.name} preloaded (not verified: no /proc/self/maps)"
         return f"malloc: {lib} could not be preloaded; glibc's malloc in use"
+    preload = os.environ.get("LD_PRELOAD", "").strip()
+    if (setting or "auto").strip() == "auto" and preload:
+        return f"malloc: LD_PRELOAD is set ({preload}): left as it is, tcmalloc not added"
+    if not restartable(script):
+        return f"malloc: {lib.name} not preloaded (cannot restart this interpreter's command line)"
     sys.stdout.flush()
     sys.stderr.flush()
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    os.execve(sys.executable, argv, restart_env(dict(os.environ), lib))
+    os.execve(sys.executable, list(sys.orig_argv), restart_env(dict(os.environ), lib))
     raise AssertionError("unreachable")  # pragma: no cover

@@ -130,6 +130,7 @@ def test_tcmalloc_when_installed():
     assert proc.stdout.strip().splitlines()[-1].startswith(f"malloc: {lib.name}"), proc.stderr[-2000:]
 
 
+@LINUX
 def test_run_py_bad_setting_is_one_line():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "recipe=debug"], cwd=ROOT, capture_output=True, text=True,
@@ -140,3 +141,82 @@ def test_run_py_bad_setting_is_one_line():
         "error: MEGA_MALLOC='tc-malloc': expected auto, tcmalloc, jemalloc, system, or the path of a shared "
         "library"
     ]
+
+
+class _Exec(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_exec(monkeypatch, tmp_path):
+    """reexec's decisions in this process: a fake library chosen, ``os.execve`` raising with its env."""
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(malloc, "search_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(sys, "platform", "linux")
+    for key in (malloc.ENV, malloc.MARK, "LD_PRELOAD"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "run.py", "recipe=x"])
+    monkeypatch.setattr(sys, "argv", ["run.py", "recipe=x"])
+
+    def execve(path, argv, env):
+        raise _Exec(argv, env)
+
+    monkeypatch.setattr(os, "execve", execve)
+    return lib
+
+
+def test_reexec_decisions(fake_exec, monkeypatch):
+    lib = fake_exec
+    with pytest.raises(_Exec) as restart:  # auto, nothing preloaded: restart with the same command line
+        malloc.reexec()
+    argv, env = restart.value.args
+    assert argv == ["python", "run.py", "recipe=x"] and env["LD_PRELOAD"] == str(lib)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so.2")  # the user's preload wins under auto
+    assert (
+        malloc.reexec()
+        == "malloc: LD_PRELOAD is set (/opt/libjemalloc.so.2): left as it is, tcmalloc not added"
+    )
+    monkeypatch.setenv(malloc.ENV, "tcmalloc")  # ... but not over an explicit choice
+    with pytest.raises(_Exec) as restart:
+        malloc.reexec()
+    assert restart.value.args[1]["LD_PRELOAD"] == f"{lib}:/opt/libjemalloc.so.2"
+    monkeypatch.setenv(malloc.MARK, "/other/libjemalloc.so.2")  # a parent's restart for another library
+    with pytest.raises(_Exec):
+        malloc.reexec()
+    monkeypatch.setenv(malloc.MARK, str(lib))  # this process is the restart, the library not mapped
+    assert malloc.reexec() == f"malloc: {lib} could not be preloaded; glibc's malloc in use"
+    monkeypatch.setattr(malloc, "loaded", lambda lib: None)  # no /proc
+    assert malloc.reexec() == "malloc: libtcmalloc_minimal.so.4 preloaded (not verified: no /proc/self/maps)"
+    monkeypatch.setattr(malloc, "loaded", lambda lib: True)
+    assert malloc.reexec() == "malloc: libtcmalloc_minimal.so.4 (MEGA_MALLOC=system for glibc's malloc)"
+    monkeypatch.setenv(malloc.ENV, "system")
+    assert malloc.reexec() == ""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setenv(malloc.ENV, "tcmalloc")
+    assert malloc.reexec() == ""
+
+
+@pytest.mark.parametrize(
+    ("orig", "argv", "script", "ok"),
+    [
+        (["python", "run.py", "a=1"], ["run.py", "a=1"], "run.py", True),
+        (["python", "-X", "utf8", "/r/run.py"], ["/r/run.py"], "/r/run.py", True),
+        (["python", "-m", "pdb", "run.py", "a=1"], ["run.py", "a=1"], "run.py", True),
+        (["python", "-c", "code", "a"], ["-c", "a"], None, True),
+        (["python", "-m", "bench.x", "a"], ["/r/bench/x.py", "a"], None, True),
+        (["python", "nb.py"], ["run.py"], "run.py", False),  # runpy.run_path from another script
+        (["python", "nb.py"], ["nb.py"], "run.py", False),  # argv kept: the running file is not the script
+        (["python", "-"], ["-"], None, False),  # stdin, consumed
+        (["python"], [""], None, False),  # interactive
+    ],
+)
+def test_restartable(monkeypatch, orig, argv, script, ok):
+    monkeypatch.setattr(sys, "orig_argv", orig)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert malloc.restartable(script) is ok
+
+
+def test_reexec_refuses_a_command_line_it_cannot_repeat(fake_exec, monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "nb.py"])
+    assert malloc.reexec("run.py").endswith("not preloaded (cannot restart this interpreter's command line)")
