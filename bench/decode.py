@@ -2,6 +2,7 @@
 
     python -m bench.decode                              # 2 threads, 3 rounds of 40 tokens, prompt 300
     python -m bench.decode --threads 1 --rounds 3 --tokens 60 --profile
+    python -m bench.decode --paths "bf16 compiled" --prompt 512   # one path (and the floors)
 
 Every path runs on its own copy of the model and its own stream, and the paths take turns token by token
 (round robin, the floors included), so a load spike on a shared machine hits all of them alike; the caches
@@ -19,7 +20,7 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
-nested calls) and a profile of one fp32 step.
+nested calls) and a profile of one step of the first path timed.
 """
 
 from __future__ import annotations
@@ -161,7 +162,15 @@ def main() -> None:
     ap.add_argument(
         "--no-compile", action="store_true", help="leave out the compiled paths (compile 10-15 s each)"
     )
+    known = ["segment"] + [p[0] for p in PATHS]
+    ap.add_argument(
+        "--paths", default=None, help=f"comma list of the paths to time (default: all): {', '.join(known)}"
+    )
     args = ap.parse_args()
+    chosen = known if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in known]
+    if unknown or not chosen:
+        ap.error(f"--paths {args.paths!r}: unknown {unknown or 'none given'}; expected some of {known}")
     setup_threads(args.threads)
     print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
     print(machine_description(args.threads))
@@ -173,8 +182,8 @@ def main() -> None:
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
     numel = sum(p.numel() for p in base.parameters())
     mkldnn = decode.mkldnn_available(torch.device("cpu"))
-    paths = [p for p in PATHS if p[2] != "mkldnn" or mkldnn]
-    streams = {"segment": Stream(base, prompt, segment=True)}
+    paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and p[0] in chosen]
+    streams = {"segment": Stream(base, prompt, segment=True)} if "segment" in chosen else {}
     for name, dtype, gemv, compiled in paths:
         if compiled and args.no_compile:
             continue
@@ -220,9 +229,12 @@ def main() -> None:
         for name, s in streams.items():
             top, nested = op_counts(s)
             print(f"  {name}: {top} / {nested}")
-        with torch.profiler.profile() as prof:
-            streams["fp32 matmul"].next()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        first = next(iter(streams), None)
+        if first is not None:
+            with torch.profiler.profile() as prof:
+                streams[first].next()
+            print(f"\nprofile of one {first} step:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ then theirs, for ``--rounds`` rounds; the ratio is printed per pair of runs, nev
 another time. Measurements:
 
 - training: forward on [1, L] random tokens, cross-entropy on the next tokens, backward, AdamW step; tokens/s
-  of the best of ``--repeat`` steps after one warm-up step, and peak RSS;
-- prompt ingest: ``--prompt`` tokens through the streaming cache in one call (no autograd);
+  of the best of ``--repeat`` steps after one warm-up step, peak RSS, and what training adds to the built
+  model (the peak less the RSS before the first step: activations, gradients, AdamW's moments; torch's
+  ≈ 0.55 GiB of mapped libraries and the weights, the same on both sides, left out);
+- prompt ingest: ``--prompt`` tokens through the streaming cache in one call (no autograd), beside its
+  compute floor (the forward's analytic matmul FLOPs at the fp32 ``torch.mm`` peak measured in the same
+  process: a lower bound);
 - decode: then ``--decode-tokens`` greedy single-token steps; median ms/token. The same process measures the
   fp32 weight-read floor (``weight_read_floor``: one GEMV over a matrix as large as all the model's weights)
   and, for ours, the same greedy steps through ``decode.StaticDecoder(compile=True)`` after a fresh ingest
@@ -252,6 +256,14 @@ def bench_stream(which: str, peer: str | None, prompt_len: int, new_tokens: int)
                 token = dec.step(token).argmax(-1)
                 compiled.append(time.perf_counter() - t0)
         extra["compiled_s"] = statistics.median(compiled)
+        # the ingest's compute floor: its matmul FLOPs (forward = a third of the training count: the dense
+        # weights, 2 per weight per token, and causal attention within the chunk) at the fp32 peak of a
+        # 4096^3 torch.mm measured now -- a lower bound, since the model's narrower GEMMs run below that peak
+        from bench.cpu_bar import matmul_peak_gflops
+        from mega_suite.models.megalodon import flops_per_token
+
+        forward = flops_per_token(side.model.cfg, prompt_len) / 3 * prompt_len
+        extra["ingest_floor_s"] = forward / (matmul_peak_gflops() * 1e9)
     return Measurement(times=times, baseline_bytes=baseline, peak_bytes=peak_rss_bytes(), extra=extra)
 
 
@@ -307,26 +319,33 @@ def main() -> None:
     for length in lengths:
         for i, (a, b) in enumerate(pair(bench_train, length=length, warmup=args.warmup, repeat=args.repeat)):
             if not (a.ok and b.ok):
-                rows.append([fmt_length(length), str(i + 1), a.status, b.status, "-", "-", "-", "-"])
+                rows.append([fmt_length(length), str(i + 1), a.status, b.status] + ["-"] * 7)
                 continue
             notes.add(b.extra["note"])
             ta, tb = length / a.best, length / b.best
+            # what training adds to the built model: activations, gradients, AdamW's two moments and the
+            # allocator's slack -- the process peak less its RSS before the first step (torch's libraries,
+            # the imports and the weights, the same on both sides)
+            ga, gb = a.delta_bytes, b.delta_bytes
             rows.append([
                 fmt_length(length), str(i + 1), f"{ta:.0f}", f"{tb:.0f}", f"{ta / tb:.2f}x",
                 fmt_bytes(a.peak_bytes), fmt_bytes(b.peak_bytes), f"{a.peak_bytes / b.peak_bytes:.2f}",
+                fmt_bytes(ga), fmt_bytes(gb), f"{ga / gb:.2f}",
             ])  # fmt: skip
             print("  " + " | ".join(rows[-1]), flush=True)
     srows = []
     for i, (a, b) in enumerate(pair(bench_stream, prompt_len=args.prompt, new_tokens=args.decode_tokens)):
         if not (a.ok and b.ok):
-            srows.append([str(i + 1), a.status, b.status] + ["-"] * 9)
+            srows.append([str(i + 1), a.status, b.status] + ["-"] * 11)
             continue
         notes.add(b.extra["note"])
         ia, ib = a.extra["ingest_s"], b.extra["ingest_s"]
         da, db, dc = a.median * 1e3, b.median * 1e3, a.extra["compiled_s"] * 1e3
         fl = a.extra["floor_s"] * 1e3
+        fi = a.extra["ingest_floor_s"]
         srows.append([
-            str(i + 1), f"{ia:.3f} s", f"{ib:.3f} s", f"{ib / ia:.2f}x", f"{da:.2f}", f"{dc:.2f}", f"{db:.2f}",
+            str(i + 1), f"{ia:.3f} s", f"{ib:.3f} s", f"{ib / ia:.2f}x", f"{fi:.3f} s", f"{ia / fi:.2f}x",
+            f"{ib / fi:.2f}x", f"{da:.2f}", f"{dc:.2f}", f"{db:.2f}",
             f"{da / db:.2f}", f"{dc / db:.2f}", f"{fl:.2f}", f"{da / fl:.2f}x", f"{dc / fl:.2f}x",
         ])  # fmt: skip
         print("  " + " | ".join(srows[-1]), flush=True)
@@ -335,19 +354,23 @@ def main() -> None:
     if rows:
         print(
             f"Training (best of {args.repeat} step(s) after {args.warmup} warm-up; peak = VmHWM of a fresh "
-            "process), one row per ours / port pair:\n"
+            "process; added = the peak less the process's RSS once the model is built, before the first "
+            "step), one row per ours / port pair:\n"
         )
         print(markdown_table(
-            ["L", "pair", "ours tok/s", "port tok/s", "speed ours/port", "ours peak", "port peak", "mem ours/port"],
+            ["L", "pair", "ours tok/s", "port tok/s", "speed ours/port", "ours peak", "port peak", "mem ours/port",
+             "ours added", "port added", "added ours/port"],
             rows,
         ))  # fmt: skip
     print(
         f"\nPrompt ingest ({args.prompt} tokens, one streaming call, no autograd) and greedy decode "
-        f"({args.decode_tokens} single-token steps, median); floor = one fp32 GEMV over all weights, "
-        "same process as ours:\n"
+        f"({args.decode_tokens} single-token steps, median); ingest floor = the prompt's forward matmul "
+        "FLOPs at the fp32 peak of a 4096^3 torch.mm, decode floor = one fp32 GEMV over all weights, both "
+        "measured in ours' process:\n"
     )
     print(markdown_table(
-        ["pair", "ours ingest", "port ingest", "ingest port/ours", "ours ms/tok", "ours compiled ms/tok",
+        ["pair", "ours ingest", "port ingest", "ingest port/ours", "ingest floor", "ours / floor", "port / floor",
+         "ours ms/tok", "ours compiled ms/tok",
          "port ms/tok", "decode ours/port", "compiled/port", "fp32 floor ms", "ours / floor",
          "compiled / floor"],
         srows,

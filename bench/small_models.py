@@ -13,7 +13,9 @@ Models (the recipes' model sections, built with ``create_model``):
 - ``debug``: the classifier of ``recipe=debug`` (2 layers, D 32, C 128, 10 classes, ListOps vocabulary),
   batch 8 x 2000 tokens, cross-entropy on the class.
 
-A step is forward, loss, backward, AdamW step, gradients to None, in train mode (dropout on). tokens/s = batch
+A step is forward, loss, backward, AdamW step (with the kernels the checkout's suite picks: fused since
+``optim.implementation``, torch's CPU default for-loop before), gradients to None, in train mode (dropout
+on). tokens/s = batch
 tokens / median step time over ``--steps`` steps after two warm-up steps (``--compile``: after the compile,
 whose wall time is printed). Every (checkout, variant) runs in a fresh process with ``--threads`` threads;
 rounds alternate checkouts so the machine's load drifts over both alike: compare ratios within a round.
@@ -76,7 +78,13 @@ except ImportError:  # checkouts before the model registry
     from mega_suite.presets import create_model
 spec = args["model"]
 model = create_model(spec["preset"], **spec["overrides"]).train()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+try:  # AdamW's kernels as the checkout's suite picks them (optim.implementation; for-loop before the key)
+    from mega_suite.settings import OptimSection
+    impl = getattr(OptimSection(), "implementation", "for-loop")
+except ImportError:
+    impl = "for-loop"
+kernels = {"fused": dict(fused=True), "foreach": dict(foreach=True)}.get(impl, dict(foreach=False))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernels)
 b, n = spec["batch"], spec["length"]
 if spec["kind"] == "lm":
     x = torch.randint(0, spec["overrides"]["vocab_size"], (b, n + 1))

@@ -56,6 +56,9 @@ class OptimSection:
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     clip_grad_norm: float = 1.0  # 0 disables clipping
     no_decay_groups: bool = False  # exempt norms, biases, CEMA parameters and embeddings from decay
+    # AdamW's kernels: fused (one kernel updates every parameter; torchtitan's default) | foreach (a few
+    # multi-tensor ops; torch's default on CUDA) | for-loop (a dozen ops per parameter; torch's CPU default)
+    implementation: str = "fused"
 
 
 @dataclass
@@ -354,6 +357,7 @@ _CHOICES = {
     "mode": ("fit", "validate", "test", "eval_context", "plan"),
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
+    "optim.implementation": ("fused", "foreach", "for-loop"),
     "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
     "trainer.chunk_parallel_mode": ("parallel", "sequential"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "64-true", "64"),

@@ -196,3 +196,55 @@ def test_on_before_optimizer_step_clips_the_global_norm(monkeypatch, clip, scale
         torch.testing.assert_close(after[n], before[n] * factor, rtol=1e-5, atol=1e-9, msg=n)
     assert global_norm(after) == pytest.approx(min(norm, clip) if clip > 0 else norm, rel=1e-5)
     assert logged["train/grad_norm"] == pytest.approx(norm, rel=1e-5), "the logged norm is the pre-clip norm"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# AdamW's kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+def adamw_float64(params, grads, steps, lr, betas, eps, weight_decay):
+    """AdamW written from its definition (Loshchilov & Hutter; torch's bias-corrected form), in float64:
+    θ ← θ(1 − lr·λ); m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²;
+    θ ← θ − lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + ε)."""
+    (b1, b2), out = betas, []
+    for p, gs in zip(params, grads):
+        p = p.double().clone()
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        for t in range(1, steps + 1):
+            g = gs[t - 1].double()
+            p = p * (1 - lr * weight_decay)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            p = p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_adamw_implementation_is_used_and_steps_as_adamw(implementation):
+    """``optim.implementation`` picks torch's AdamW kernels (fused: one kernel for every parameter, the
+    default); each takes the same steps as AdamW written out in float64."""
+    torch.manual_seed(0)
+    module = lm_module(implementation=implementation, schedule="constant", clip_grad_norm=0.0)
+    opt = module.configure_optimizers()["optimizer"]
+    want = {"fused": (True, None), "foreach": (None, True), "for-loop": (None, False)}[implementation]
+    assert (opt.defaults["fused"], opt.defaults["foreach"]) == want
+    params = [p for p in module.model.parameters()]
+    start = [p.detach().clone() for p in params]
+    grads = [[torch.randn_like(p) for _ in range(3)] for p in params]
+    for t in range(3):
+        for p, g in zip(params, grads):
+            p.grad = g[t].clone()
+        opt.step()
+    oracle = adamw_float64(start, grads, 3, lr=2e-3, betas=(0.9, 0.95), eps=1e-7, weight_decay=0.1)
+    for p, o in zip(params, oracle):
+        torch.testing.assert_close(p.detach().double(), o, rtol=1e-6, atol=1e-6)
+
+
+def test_default_implementation_is_fused():
+    from mega_suite.settings import OptimSection
+
+    assert OptimSection().implementation == "fused"
+    opt = lm_module().configure_optimizers()["optimizer"]  # a config without the key (an older run): fused
+    assert opt.defaults["fused"] is True
