@@ -177,3 +177,28 @@ def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path):
     assert [r.split("|")[1].strip() for r in rows] == [
         "eager (block_step)", "compiled step, GEMV mv", "compiled step, GEMV triton"
     ]  # fmt: skip
+
+
+def test_head_precision_bench_runs_on_the_cpu(tmp_path):
+    """``python -m bench.head_precision`` (the next GPU lease's measure of the float32 logits head) runs on
+    the CPU, where TF32 does not apply: one row per head computation, the float32 one as trained first."""
+    from bench import head_precision
+
+    out = tmp_path / "head.md"
+    rc = head_precision.main(["--device", "cpu", "--preset", "megalodon_debug", "--tokens", "64", "--repeat",
+                              "2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "TFLOP/s" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["float32", "bf16 matmul"]
+    assert "megalodon_debug: D 32, V" in text
+
+
+def test_head_precision_bench_refuses_cuda_without_a_device():
+    from bench import head_precision
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit) as exc:
+        head_precision.main(["--tokens", "8"])
+    assert exc.value.code == 2
