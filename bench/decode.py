@@ -182,6 +182,12 @@ def main() -> None:
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
     numel = sum(p.numel() for p in base.parameters())
     mkldnn = decode.mkldnn_available(torch.device("cpu"))
+    cannot = [
+        name for name, _, gemv, compiled in PATHS
+        if name in chosen and ((gemv == "mkldnn" and not mkldnn) or (compiled and args.no_compile))
+    ]  # fmt: skip
+    if args.paths is not None and cannot:
+        sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable, or --no-compile given)")
     paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and p[0] in chosen]
     streams = {"segment": Stream(base, prompt, segment=True)} if "segment" in chosen else {}
     for name, dtype, gemv, compiled in paths:

@@ -16,10 +16,11 @@ the FLOPs may be a large share of the step time. Measured here, one process, alt
   set_float32_matmul_precision("high")``), set around this measurement only;
 - ``bf16 matmul``: the projection under bf16 autocast, the logits cast to float32 for the loss.
 
-Beside them: a bf16 GEMM whose speed times the rest of one training step's FLOPs (``flops_per_token`` of
-the architecture at ``--tokens`` tokens, less the head's), so that each head's time reads as a share of a
-step running at that speed: an estimate (the step also has attention, norms and elementwise work, which make
-the head's real share smaller), not a measured step.
+Beside them: the speed of one of the step's own GEMMs (the FFN's [tokens, D] x [D, F] in bf16) times the
+rest of one training step's FLOPs (``flops_per_token`` of the architecture at ``--tokens`` tokens, less the
+head's), so that each head's time reads as a share of a step running at that speed: an estimate (the step
+also has attention, norms and elementwise work, which make the head's real share smaller), not a measured
+step.
 """
 
 from __future__ import annotations
@@ -58,12 +59,10 @@ def _tf32(enabled: bool):
 def head_step(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, mode: str) -> None:
     """Forward and backward of logits = hidden Wᵀ and the mean cross-entropy, as ``mode`` computes them."""
     device = hidden.device.type
-    with (
-        _tf32(mode == "float32, TF32"),
-        torch.autocast(device, torch.bfloat16, enabled=mode == "bf16 matmul"),
-    ):
-        logits = F.linear(hidden, weight)
-    F.cross_entropy(logits.float(), target).backward()
+    with _tf32(mode == "float32, TF32"):  # read by each matmul as it runs: backward's two as well
+        with torch.autocast(device, torch.bfloat16, enabled=mode == "bf16 matmul"):
+            logits = F.linear(hidden, weight)
+        F.cross_entropy(logits.float(), target).backward()
 
 
 def timed(fn, device: torch.device) -> float:
@@ -79,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="megalodon_7b", help="the model whose D, V and FLOPs are used")
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     ap.add_argument("--dim", type=int, default=None, help="override the preset's model width D")
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per step (batch x length)")
+    ap.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per step, as one sequence (its length sets the "
+        "attention context in the step's FLOP count)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
@@ -101,17 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(n, d, device=device, generator=gen).requires_grad_()
     weight = (torch.randn(v, d, device=device, generator=gen) * d**-0.5).requires_grad_()
     target = torch.randint(0, v, (n,), device=device, generator=gen)
-    # a bf16 GEMM of one step's FLOPs: [n, k] @ [k, k] with 2 n k² = step_flops (k a multiple of 64)
-    k = max(64, int(round((step_flops / (2 * n)) ** 0.5 / 64)) * 64)
-    a = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(k, k, device=device, dtype=torch.bfloat16, generator=gen)
+    # the speed of a GEMM the step has: the FFN's first projection, [n, D] @ [D, F] in bf16
+    f = getattr(cfg, "ffn_hidden_dim", 4 * d)
+    a = torch.randn(n, d, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(d, f, device=device, dtype=torch.bfloat16, generator=gen)
     modes = ["float32"] + (["float32, TF32"] if device.type == "cuda" else []) + ["bf16 matmul"]
 
     def clear():
         hidden.grad = weight.grad = None
 
     fns = {m: (lambda m=m: (clear(), head_step(hidden, weight, target, m))) for m in modes}
-    fns["bf16 GEMM of a step's FLOPs"] = lambda: torch.mm(a, b)
+    fns["bf16 GEMM"] = lambda: torch.mm(a, b)
     times = {name: [] for name in fns}
     for fn in fns.values():  # warm-up: allocations, library handles
         fn()
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in fns.items():
             times[name].append(timed(fn, device))
     med = {name: statistics.median(t) for name, t in times.items()}
-    rate = 2 * n * k * k / med.pop("bf16 GEMM of a step's FLOPs")  # FLOP/s of the bf16 GEMM
+    rate = 2 * n * d * f / med.pop("bf16 GEMM")  # FLOP/s of the step's bf16 GEMM
     body_s = (step_flops - head_flops) / rate  # the rest of the step at that speed
 
     print(f"# python -m bench.head_precision {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"\n{args.preset}: D {d}, V {v}, {n} tokens per step; head 6·D·V = {head_flops / n / 1e9:.3f} GFLOP per "
         f"token of the step's {step_flops / n / 1e9:.2f} ({100 * head_flops / step_flops:.1f}%); the rest of "
-        f"the step's FLOPs at bf16 GEMM speed ({rate / 1e12:.2f} TFLOP/s here): {body_s * 1e3:.1f} ms.\n"
+        f"the step's FLOPs at the speed of its [{n}, {d}] x [{d}, {f}] bf16 GEMM ({rate / 1e12:.2f} TFLOP/s "
+        f"here): {body_s * 1e3:.1f} ms.\n"
     ]
     rows = []
     for name in modes:

@@ -327,16 +327,20 @@ def main() -> None:
             # allocator's slack -- the process peak less its RSS before the first step (torch's libraries,
             # the imports and the weights, the same on both sides)
             ga, gb = a.delta_bytes, b.delta_bytes
+            reset = a.extra.get("hwm_reset", True) and b.extra.get("hwm_reset", True)
+            added = (
+                (fmt_bytes(ga), fmt_bytes(gb), f"{ga / gb:.2f}") if reset else ("n/a: peak not reset",) * 3
+            )
             rows.append([
                 fmt_length(length), str(i + 1), f"{ta:.0f}", f"{tb:.0f}", f"{ta / tb:.2f}x",
                 fmt_bytes(a.peak_bytes), fmt_bytes(b.peak_bytes), f"{a.peak_bytes / b.peak_bytes:.2f}",
-                fmt_bytes(ga), fmt_bytes(gb), f"{ga / gb:.2f}",
+                *added,
             ])  # fmt: skip
             print("  " + " | ".join(rows[-1]), flush=True)
     srows = []
     for i, (a, b) in enumerate(pair(bench_stream, prompt_len=args.prompt, new_tokens=args.decode_tokens)):
         if not (a.ok and b.ok):
-            srows.append([str(i + 1), a.status, b.status] + ["-"] * 11)
+            srows.append([str(i + 1), a.status, b.status] + ["-"] * 12)  # 15 columns
             continue
         notes.add(b.extra["note"])
         ia, ib = a.extra["ingest_s"], b.extra["ingest_s"]

@@ -43,6 +43,14 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
+# optim.implementation -> AdamW's flags (both given, so that they also overwrite a restored param group's)
+ADAMW_KERNELS = {
+    "fused": dict(fused=True, foreach=None),
+    "foreach": dict(fused=None, foreach=True),
+    "for-loop": dict(fused=None, foreach=False),
+}
+
+
 class SuiteModule(L.LightningModule):
     """Shared optimisation, logging and sharding."""
 
@@ -146,19 +154,41 @@ class SuiteModule(L.LightningModule):
             ]
         else:  # the reference code decays every parameter (SPEC §11)
             groups = [{"params": [p for _, p in named], "weight_decay": o["weight_decay"]}]
-        # fused: one kernel per step for all parameters, same arithmetic (3.1x faster than the for-loop
-        # torch picks on the CPU for pg19_small's 99 tensors; bench/RESULTS.md §24); a config from before
-        # the key existed gets the default
-        impl = o.get("implementation", "fused")
-        kernels = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
-        if impl not in kernels:
-            raise ValueError(
-                f"optim.implementation={impl!r} is invalid; expected one of {', '.join(kernels)}"
-            )
-        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], **kernels[impl])
+        opt = torch.optim.AdamW(
+            groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], **self.adamw_kernels()
+        )
         fn = lr_lambda(o["schedule"], o["warmup_steps"], self.total_steps, o["min_lr_ratio"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def adamw_kernels(self) -> dict:
+        """AdamW's ``fused`` / ``foreach`` flags for ``optim.implementation``: fused (the default) updates
+        every parameter in one kernel per step (the same update; 3.1x faster than the for-loop torch picks
+        on the CPU for pg19_small's 99 tensors, bench/RESULTS.md §24); a config from before the key existed
+        gets the default."""
+        impl = self.optim_cfg.get("implementation", "fused")
+        if impl not in ADAMW_KERNELS:
+            raise ValueError(
+                f"optim.implementation={impl!r} is invalid; expected one of {', '.join(ADAMW_KERNELS)}"
+            )
+        return ADAMW_KERNELS[impl]
+
+    def on_train_start(self) -> None:
+        """A resumed run restores the optimizer's param groups as saved, ``fused`` / ``foreach`` flags
+        included: the configured kernels are set again here, after the restore, so that a run saved with
+        another ``optim.implementation`` (or before the key existed) continues with this one. The fused
+        kernel wants each step count as a float32 scalar on its parameter's device."""
+        flags = self.adamw_kernels()
+        for opt in self.trainer.optimizers:
+            if not isinstance(opt, torch.optim.AdamW):
+                continue
+            for group in opt.param_groups:
+                group.update(flags)
+            if flags["fused"]:
+                for param, state in opt.state.items():
+                    step = state.get("step")
+                    if torch.is_tensor(step):
+                        state["step"] = step.to(device=param.device, dtype=torch.float32)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip = self.optim_cfg["clip_grad_norm"]
