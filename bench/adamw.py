@@ -27,7 +27,7 @@ import torch
 
 from bench.common import machine_description, markdown_table, setup_threads
 
-IMPLEMENTATIONS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+IMPLEMENTATIONS = ("for-loop", "foreach", "fused")  # optim.implementation's values, the baseline first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds {args.rounds}: at least 6 (5 are warm-up)")
     setup_threads(args.threads)
     from bench.small_models import MODELS
+    from mega_suite.lightning import ADAMW_KERNELS  # the flags the suite gives AdamW
     from mega_suite.models import create_model
 
     print(f"# python -m bench.adamw {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -49,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         base = create_model(spec["preset"], **spec["overrides"])
         grads = [torch.randn_like(p) for p in base.parameters()]
         opts = {}
-        for impl, flags in IMPLEMENTATIONS.items():
+        for impl in IMPLEMENTATIONS:
             model = copy.deepcopy(base)
             for p, g in zip(model.parameters(), grads):
                 p.grad = g.clone()
-            opts[impl] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, **flags))
+            opts[impl] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, **ADAMW_KERNELS[impl]))
         times = {impl: [] for impl in opts}
         for _ in range(args.rounds):
             for impl, (_, opt) in opts.items():
