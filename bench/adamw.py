@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds {args.rounds}: at least 6 (5 are warm-up)")
     setup_threads(args.threads)
     from bench.small_models import MODELS
-    from mega_suite.lightning import ADAMW_KERNELS  # the flags the suite gives AdamW
     from mega_suite.models import create_model
+    from mega_suite.settings import ADAMW_KERNELS  # the flags the suite gives AdamW
 
     print(f"# python -m bench.adamw {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(machine_description(args.threads))

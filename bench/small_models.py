@@ -79,11 +79,10 @@ except ImportError:  # checkouts before the model registry
 spec = args["model"]
 model = create_model(spec["preset"], **spec["overrides"]).train()
 try:  # AdamW's kernels as the checkout's suite picks them (optim.implementation; for-loop before the key)
-    from mega_suite.settings import OptimSection
-    impl = getattr(OptimSection(), "implementation", "for-loop")
+    from mega_suite.settings import ADAMW_KERNELS, OptimSection
+    kernels = ADAMW_KERNELS[OptimSection().implementation]
 except ImportError:
-    impl = "for-loop"
-kernels = {"fused": dict(fused=True), "foreach": dict(foreach=True)}.get(impl, dict(foreach=False))
+    kernels = dict(foreach=False)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernels)
 b, n = spec["batch"], spec["length"]
 if spec["kind"] == "lm":

@@ -19,6 +19,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
 from mega_suite.models import build_model
+from mega_suite.settings import ADAMW_KERNELS
 
 STAGES = ("val", "test")
 
@@ -41,14 +42,6 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * (1 - progress)
 
     return f
-
-
-# optim.implementation -> AdamW's flags (both given, so that they also overwrite a restored param group's)
-ADAMW_KERNELS = {
-    "fused": dict(fused=True, foreach=None),
-    "foreach": dict(fused=None, foreach=True),
-    "for-loop": dict(fused=None, foreach=False),
-}
 
 
 class SuiteModule(L.LightningModule):

@@ -56,9 +56,17 @@ class OptimSection:
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     clip_grad_norm: float = 1.0  # 0 disables clipping
     no_decay_groups: bool = False  # exempt norms, biases, CEMA parameters and embeddings from decay
-    # AdamW's kernels: fused (one kernel updates every parameter; torchtitan's default) | foreach (a few
-    # multi-tensor ops; torch's default on CUDA) | for-loop (a dozen ops per parameter; torch's CPU default)
+    # AdamW's kernels (ADAMW_KERNELS): fused (one kernel updates every parameter; torchtitan's default) |
+    # foreach (a few multi-tensor ops; torch's default on CUDA) | for-loop (a dozen ops per parameter; CPU's)
     implementation: str = "fused"
+
+
+# optim.implementation -> AdamW's flags (both given, so that they also overwrite a restored param group's)
+ADAMW_KERNELS = {
+    "fused": dict(fused=True, foreach=None),
+    "foreach": dict(fused=None, foreach=True),
+    "for-loop": dict(fused=None, foreach=False),
+}
 
 
 @dataclass
@@ -357,7 +365,7 @@ _CHOICES = {
     "mode": ("fit", "validate", "test", "eval_context", "plan"),
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
-    "optim.implementation": ("fused", "foreach", "for-loop"),
+    "optim.implementation": tuple(ADAMW_KERNELS),
     "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
     "trainer.chunk_parallel_mode": ("parallel", "sequential"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "64-true", "64"),
