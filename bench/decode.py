@@ -16,7 +16,8 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
 - the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
   ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``);
 - ``compiled``: the same packs through ``decode.StaticDecoder(model, cache, compile=True)`` (fixed buffers,
-  one Inductor graph per step, compiled once before the rounds).
+  one Inductor graph per step, compiled once before the rounds); ``bf16-kv``: the chunk's keys and values
+  kept in bf16 (``to_decode_dtype(..., kv_dtype=torch.bfloat16)``), half the bytes a token reads there.
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -40,15 +41,17 @@ import torch
 
 from bench.common import machine_description, markdown_table, setup_threads
 
-PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDecoder(compile=True)``)
-    ("fp32 matmul", torch.float32, "matmul", False),
-    ("fp32 mkldnn", torch.float32, "mkldnn", False),
-    ("bf16 matmul", torch.bfloat16, "matmul", False),
-    ("bf16 mkldnn", torch.bfloat16, "mkldnn", False),
-    ("int8", torch.int8, "matmul", False),
-    ("fp32 compiled", torch.float32, "matmul", True),
-    ("bf16 compiled", torch.bfloat16, "matmul", True),
-    ("int8 compiled", torch.int8, "matmul", True),
+PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDecoder(compile=True)``), kv_dtype
+    ("fp32 matmul", torch.float32, "matmul", False, None),
+    ("fp32 mkldnn", torch.float32, "mkldnn", False, None),
+    ("bf16 matmul", torch.bfloat16, "matmul", False, None),
+    ("bf16 matmul bf16-kv", torch.bfloat16, "matmul", False, torch.bfloat16),
+    ("bf16 mkldnn", torch.bfloat16, "mkldnn", False, None),
+    ("int8", torch.int8, "matmul", False, None),
+    ("fp32 compiled", torch.float32, "matmul", True, None),
+    ("bf16 compiled", torch.bfloat16, "matmul", True, None),
+    ("bf16 compiled bf16-kv", torch.bfloat16, "matmul", True, torch.bfloat16),
+    ("int8 compiled", torch.int8, "matmul", True, None),
 ]
 
 
@@ -183,18 +186,18 @@ def main() -> None:
     numel = sum(p.numel() for p in base.parameters())
     mkldnn = decode.mkldnn_available(torch.device("cpu"))
     cannot = [
-        name for name, _, gemv, compiled in PATHS
+        name for name, _, gemv, compiled, _ in PATHS
         if name in chosen and ((gemv == "mkldnn" and not mkldnn) or (compiled and args.no_compile))
     ]  # fmt: skip
     if args.paths is not None and cannot:
         sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable, or --no-compile given)")
     paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and p[0] in chosen]
     streams = {"segment": Stream(base, prompt, segment=True)} if "segment" in chosen else {}
-    for name, dtype, gemv, compiled in paths:
+    for name, dtype, gemv, compiled, kv_dtype in paths:
         if compiled and args.no_compile:
             continue
         kind = CompiledStream if compiled else Stream
-        streams[name] = kind(copy.deepcopy(base).to_decode_dtype(dtype, gemv), prompt)
+        streams[name] = kind(copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype), prompt)
     reads = floors(numel)
     names = list(reads) + list(streams)
     rows = []

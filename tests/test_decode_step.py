@@ -95,6 +95,89 @@ def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol, b
     torch.testing.assert_close(decode_logits(model, tokens, prompt=2), ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_keys_and_values_attend_in_float32(compiled, fresh_dynamo):
+    """``decode.attend`` over bf16 keys / values (a ``kv_dtype`` of bf16, or a prompt's cache computed under
+    autocast) against softmax(q kᵀ) v written out in float64 on the same bf16-rounded keys and values, for
+    the 2-D GEMV branch (one row, one head) and the batched one, with and without the mask. Eager (cast,
+    float32 BLAS) and compiled batched (float32 reductions): equal to float32 rounding. Compiled, one row
+    and one head (float32 scores, the product with v in bf16: the probabilities and the result rounded to
+    bf16): equal to the oracle with both rounded so, but for a rounding step, and within 2⁻⁷ of the exact
+    one. A bf16 product for the scores would round q and the scores (about 1e-2)."""
+    attend = torch.compile(decode.attend, fullgraph=True, dynamic=True) if compiled else decode.attend
+    gen = torch.Generator().manual_seed(11)
+    for bsz, h in ((1, 1), (2, 2)):
+        n, zd, ev = 7, 8, 6
+        q = torch.randn(bsz, 1, h, zd, generator=gen) * 2  # scores of a few units: a peaked softmax
+        keys = torch.randn(bsz, n, h, zd, generator=gen).bfloat16()
+        values = torch.randn(bsz, n, h, ev, generator=gen).bfloat16()
+        for mask in (None, torch.arange(n) > 4):
+            got = attend(q, keys, values, mask)
+            assert got.dtype == torch.float32 and got.shape == (bsz, h, 1, ev)
+            s = torch.einsum("bqhd,bnhd->bhqn", q.double(), keys.double())
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            probs = torch.softmax(s, -1)
+            exact = torch.einsum("bhqn,bnhe->bhqe", probs, values.double())
+            if compiled and bsz * h == 1:
+                rounded = torch.einsum("bhqn,bnhe->bhqe", probs.bfloat16().double(), values.double())
+                rounded = rounded.bfloat16().double()  # oneDNN's bf16 product returns bf16
+                # float32 and float64 probabilities on a rounding boundary may round apart: one bf16 step
+                torch.testing.assert_close(got.double(), rounded, rtol=2**-8, atol=1e-4)
+                torch.testing.assert_close(got.double(), exact, rtol=0, atol=2**-7)
+            else:
+                torch.testing.assert_close(got.double(), exact, rtol=0, atol=2e-6)
+
+
+def bf16_matmuls(fn) -> list[str]:
+    """The matmul-like aten ops ``fn`` dispatches with a bf16 operand."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = ("mm", "bmm", "addmm", "mv", "dot", "baddbmm", "addmv")
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            bf16 = any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args)
+            if bf16 and func.overloadpacket.__name__ in names:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        fn()
+    return seen
+
+
+def test_bf16_kv_decode_is_close_and_never_a_bf16_matmul(monkeypatch):
+    """``to_decode_dtype(kv_dtype=torch.bfloat16)``: the chunk's keys and values are kept in bf16 (the prompt's
+    float32 cache converted at the first step, new chunks started in bf16), the logits within bf16's rounding
+    of the float64 pass, and the attention over them never a bf16 matmul (on this CPU oneDNN builds a kernel
+    for every new attended length: 0.5 ms per product). A prompt run under autocast (bf16 keys) decoded
+    with the default options takes the same float32 products; ``kv_dtype=torch.float32`` converts it."""
+    model = make_lm(chunk_size=8)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(12))
+    ref = decode_logits(model, tokens, prompt=5)
+    got = decode_logits(model.to_decode_dtype(None, kv_dtype=torch.bfloat16), tokens, prompt=5)
+    assert (got[:, 5:] - ref[:, 5:]).abs().max() > 1e-5  # the bf16 keys were used
+    want = float64_logits(model, tokens).float()
+    model.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
+    with torch.no_grad():
+        _, cache = model(tokens[:, :5], use_cache=True)
+        assert cache.layers[0].kv.k_buf.dtype == torch.float32
+        _, cache = model(tokens[:, 5:6], cache)
+        assert {lc.kv.k_buf.dtype for lc in cache.layers} == {torch.bfloat16}
+        assert bf16_matmuls(lambda: model(tokens[:, 6:7], cache)) == []
+        model.to_decode_dtype(None)  # the default: keys as computed, here bf16 from an autocast prompt
+        with torch.autocast("cpu", torch.bfloat16):
+            _, cache = model(tokens[:, :5], use_cache=True)
+        assert cache.layers[0].kv.k_buf.dtype == torch.bfloat16
+        assert bf16_matmuls(lambda: model(tokens[:, 5:6], cache)) == []
+        model.to_decode_dtype(None, kv_dtype=torch.float32)
+        _, cache = model(tokens[:, 5:6], cache)
+        assert {lc.kv.k_buf.dtype for lc in cache.layers} == {torch.float32}
+
+
 @pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "in_place", "new_parameter"])
 def test_packed_weights_follow_parameter_changes(change):
     """Decode, change the weights (an optimizer step, a state dict loaded in place, an in-place edit, a
@@ -131,6 +214,8 @@ def test_decode_options_are_checked():
         model.to_decode_dtype(torch.float16)
     with pytest.raises(ValueError, match="decode gemv must be one of"):
         model.to_decode_dtype(torch.float32, "cublas")
+    with pytest.raises(ValueError, match=r"decode kv_dtype must be one of.*torch.float16"):
+        model.to_decode_dtype(torch.float32, kv_dtype=torch.float16)
 
 
 def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
@@ -223,6 +308,31 @@ def test_compiled_static_decoder_equals_float64_and_compiles_once(batch, heads, 
         torch.testing.assert_close(logits.double(), want, rtol=0, atol=2e-6 * want.abs().max())
     with torch.no_grad(), pytest.raises(ValueError, match="batch size"):
         dec.load(model(first[:, :3].repeat(2, 1), use_cache=True)[1])
+
+
+def test_static_decoders_keep_bf16_keys_and_values(fresh_dynamo):
+    """``kv_dtype=torch.bfloat16`` in the fixed-buffer decoder, eager and compiled (batch 1, one head: the 2-D
+    GEMV attention the CPU benchmark runs): bf16 buffers filled from the prompt's float32 cache, the logits
+    within bf16's rounding of the float64 pass across two chunk boundaries, the compiled step within the
+    rounding of its probabilities (bf16, for their product with v) of the eager one, and no bf16 matmul in
+    the eager step. A cache in any dtype loads (converted)."""
+    model = make_lm(chunk_size=8, num_heads=1).to_decode_dtype(None, kv_dtype=torch.bfloat16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(13))
+    eager, dec = static_decode_logits(model, tokens, 5)
+    assert {k_buf.dtype for _, _, k_buf, _ in dec.layers} == {torch.bfloat16}
+    want = float64_logits(model, tokens).float()
+    model.float()
+    torch.testing.assert_close(eager, want, rtol=0, atol=0.02 * want.abs().max().item())
+    compiled, dec = static_decode_logits(model, tokens, 5, compile=True)
+    torch.testing.assert_close(compiled, want, rtol=0, atol=0.02 * want.abs().max().item())
+    assert (compiled - eager).abs().max() <= 2e-3 * want.abs().max()  # the probabilities' bf16 rounding
+    with torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16):
+            cache = model(tokens[:, :3], use_cache=True)[1]
+        eager_dec = decode.StaticDecoder(model, cache)
+        assert bf16_matmuls(lambda: eager_dec.step(tokens[:, 3])) == []
+        dec.load(cache)  # the compiled step: one bf16 product per layer, softmax(·) v
+        assert len(bf16_matmuls(lambda: dec.step(tokens[:, 3]))) == model.cfg.num_layers
 
 
 def test_a_failing_compile_is_one_clear_error(monkeypatch, fresh_dynamo):

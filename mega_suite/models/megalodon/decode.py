@@ -42,6 +42,8 @@ from kernels import gemv
 
 WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 GEMV_KINDS = ("matmul", "mkldnn")
+KV_DTYPES = {None: "as computed", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 keys / values (``attend``)
 
 
 def mkldnn_available(device: torch.device) -> bool:
@@ -157,7 +159,8 @@ class Gemv:
 class BlockPack:
     """One block's decode constants and packed weights (see the module docstring)."""
 
-    def __init__(self, block: nn.Module, dtype: torch.dtype, kind: str):
+    def __init__(self, block: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None):
+        self.kv_dtype = kv_dtype  # the chunk's keys / values stored in this dtype (None: as computed)
         att, ffn = block.mega, block.nffn
         cfg = att.cfg
         d, z, e, h = cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads
@@ -199,12 +202,13 @@ class BlockPack:
 class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str):
-        self.options = (dtype, kind)
+    def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None):
+        self.options = (dtype, kind, kv_dtype)
+        self.kv_dtype = kv_dtype
         self.params = list(model.parameters())
         self.key = self.current_key()
         self.params_checked = True
-        self.blocks = [BlockPack(layer, dtype, kind) for layer in model.layers]
+        self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
         fn = model.output.final_norm
@@ -235,11 +239,13 @@ class DecodePlan:
         step, ``load_state_dict``) bumps the version, a conversion (``to``) moves the storage."""
         return tuple((p.data_ptr(), p._version) for p in self.params)
 
-    def is_current(self, model: nn.Module, dtype: torch.dtype, kind: str) -> bool:
+    def is_current(
+        self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None
+    ) -> bool:
         """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
         replaced by a new one) is compared only when ``params_checked`` was cleared: at every call that
         is not a single-token step (listing them costs more than the version check)."""
-        if self.options != (dtype, kind):
+        if self.options != (dtype, kind, kv_dtype):
             return False
         if not self.params_checked:
             current = list(model.parameters())
@@ -249,7 +255,11 @@ class DecodePlan:
         return self.key == self.current_key()
 
 
-def check_decode_options(dtype: torch.dtype, kind: str, device: torch.device) -> None:
+def check_decode_options(
+    dtype: torch.dtype, kind: str, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"decode kv_dtype must be one of {list(KV_DTYPES.values())}, got {kv_dtype}")
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"decode weight dtype must be one of {list(WEIGHT_DTYPES.values())}, got {dtype}")
     if kind not in GEMV_KINDS:
@@ -330,8 +340,34 @@ def _cema_real(pk: BlockPack, px: Tensor, x_hat: Tensor, state: Tensor) -> tuple
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(q kᵀ) v of one query per row: q [B, 1, h, zd] (scaled), keys [B, n, h, zd], values
-    [B, n, h, E/h], ``mask`` [n] bool (True = a row not yet written: −inf) or None -> [B, h, 1, E/h] float32."""
+    """softmax(q kᵀ) v of one query per row: q [B, 1, h, zd] float32 (scaled), keys [B, n, h, zd], values
+    [B, n, h, E/h], ``mask`` [n] bool (True = a row not yet written: −inf) or None -> [B, h, 1, E/h] float32.
+
+    Keys and values stored in bf16 (``kv_dtype``, or a prompt run under autocast) on the CPU: never a bf16
+    matmul over a length that changes at every token -- oneDNN builds a kernel for every new shape (0.5-1.5 ms
+    per product instead of 0.03-0.15 ms; ``python -m bench.kv_attention``, bench/RESULTS.md §25). Eager, the
+    keys and values are cast and go to float32 BLAS. Compiled (``StaticDecoder``, whose CPU buckets make n a
+    multiple of 64), the scores are float32 reductions into which Inductor fuses the bf16 loads, and for one
+    row and one head softmax(·) v is a bf16 matmul over the bucketed length (oneDNN reuses its kernel;
+    accumulated in float32, the probabilities and the result rounded to bf16, relative 2⁻⁹: as the values
+    themselves, and as the next GEMV rounds its input with bf16 weights); batched, a float32 reduction too. On CUDA the query is rounded to the keys' dtype instead
+    (cuBLAS, float32 accumulation).
+    """
+    if keys.dtype != q.dtype:
+        if keys.device.type != "cpu":
+            q = q.to(keys.dtype)
+        elif torch.compiler.is_compiling():
+            scores = (keys.float() * q).sum(-1).transpose(1, 2).unsqueeze(2)  # [B, h, 1, n] float32
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            probs = torch.softmax(scores, -1)
+            if keys.shape[0] * keys.shape[2] == 1:  # a 2-D product: oneDNN's (as below)
+                probs = probs.view(1, -1).to(values.dtype)
+                return (probs @ values.view(values.shape[1], -1)).float().view(1, 1, 1, -1)
+            # batched: Inductor decomposes a one-row bf16 bmm into bf16 arithmetic (4 ulps off); reductions
+            return (probs.squeeze(2).transpose(1, 2).unsqueeze(-1) * values.float()).sum(1).unsqueeze(2)
+        else:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
     bsz, n, h, zd = keys.shape
     if bsz * h == 1:  # 2-D GEMVs: torch.compile keeps them BLAS calls, a one-row bmm it lowers to a loop
         scores = q.reshape(1, zd) @ keys.reshape(n, zd).t()
@@ -366,12 +402,16 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
     offset = pos % pk.chunk
     q, k, v, r, h1, norm_state, state = _block_in(pk, x, cache.norm, cache.cema, pk.rope[offset])
     if cache.kv is None or offset == 0:
-        kv = ChunkKV.new(k, v, pk.chunk)
+        kdt = pk.kv_dtype or k.dtype
+        kv = ChunkKV.new(k.to(kdt), v.to(kdt), pk.chunk)
     else:
-        kdt = cache.kv.k_buf.dtype  # bf16 when the chunk's earlier tokens ran under autocast
-        if kdt != q.dtype:
-            q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
-        kv = cache.kv.append(k, v)
+        kv = cache.kv
+        # None: the chunk's dtype (bf16 when its earlier tokens ran under autocast); a prompt's cache held in
+        # another dtype than ``kv_dtype`` is converted once, at the chunk's first step
+        kdt = pk.kv_dtype or kv.k_buf.dtype
+        if kv.k_buf.dtype != kdt:
+            kv = ChunkKV.new(kv.keys.to(kdt), kv.values.to(kdt), pk.chunk)
+        kv = kv.append(k.to(kdt), v.to(kdt))
     out = _block_out(pk, x, q, kv.keys, kv.values, None, r, h1)
     full = offset + 1 == pk.chunk
     return out, LayerCache(norm_state, state, None if full else kv, cache.window)
@@ -401,8 +441,9 @@ class StaticDecoder:
     written into [B, C, ...] buffers at row t; attention runs over the first ``end`` rows of those buffers,
     where ``end`` is the smallest of ``buckets`` equal steps of C that covers t + 1, rows > t masked (−inf).
     ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
-    sharing one memory pool; a step reads at most C/8 rows more than the eager one) and to C otherwise (exactly
-    t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a value of ``CUDA_ROW_GEMV``;
+    sharing one memory pool; a step reads at most C/8 rows more than the eager one), to C/64 for the compiled
+    CPU step with bf16 keys and values (64-row steps, so that their bf16 matmul repeats its shapes: ``attend``)
+    and to C otherwise (exactly t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a value of ``CUDA_ROW_GEMV``;
     None: the module's setting). ``compile``: the step through torch.compile, compiled in the constructor
     (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
@@ -424,8 +465,14 @@ class StaticDecoder:
         if self.graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model; this one is on {device}")
         self.chunk = model.cfg.chunk_size
-        if buckets is None:  # a graph per bucket on CUDA; without graphs, attend over exactly t + 1 rows
+        first = cache.layers[0].kv  # the prompt's keys / values, in the dtype its pass computed them
+        kdt = self.plan.kv_dtype or (first.k_buf.dtype if first is not None else torch.float32)
+        if buckets is None:  # a graph per bucket on CUDA; without graphs, attend over exactly t + 1 rows ...
             buckets = min(8, self.chunk) if self.graphs else self.chunk
+            if (
+                compile and kdt == torch.bfloat16 and device.type == "cpu"
+            ):  # ... or over 64-row steps: see ``attend``
+                buckets = max(1, self.chunk // CPU_KV_BUCKET_ROWS)
         if not 1 <= buckets <= self.chunk:
             raise ValueError(f"buckets must be in [1, chunk_size={self.chunk}], got {buckets}")
         self.ends = sorted({-(-self.chunk * (i + 1) // buckets) for i in range(buckets)})
@@ -438,7 +485,6 @@ class StaticDecoder:
             norm = tuple(torch.empty_like(t) for t in lc.norm)
             # The CEMA state as (Re, Im) pairs [B, D, N, 2]: real arithmetic throughout (``_cema_real``)
             cema = pk.q_ri.new_zeros(bsz, *pk.q_ri.shape)
-            kdt = lc.kv.k_buf.dtype if lc.kv is not None else torch.float32
             k_buf = torch.zeros(bsz, self.chunk, pk.h, pk.zd, dtype=kdt, device=device)
             v_buf = torch.zeros(bsz, self.chunk, pk.h, pk.e // pk.h, dtype=kdt, device=device)
             self.layers.append((norm, cema, k_buf, v_buf))
@@ -472,7 +518,8 @@ class StaticDecoder:
                 f"this decoder holds {len(self.layers)} layers; the cache has {len(cache.layers)}"
             )
         kdt = self.layers[0][2].dtype
-        if any(lc.kv is not None and lc.kv.k_buf.dtype != kdt for lc in cache.layers):
+        mixed = any(lc.kv is not None and lc.kv.k_buf.dtype != kdt for lc in cache.layers)
+        if mixed and self.plan.kv_dtype is None:  # with a kv_dtype, the cache's are converted (copy_)
             raise ValueError(
                 f"this decoder keeps keys / values in {kdt}; the cache's differ (build a new one)"
             )
@@ -514,7 +561,7 @@ class StaticDecoder:
                 k_buf.index_copy_(1, offset, k.to(k_buf.dtype))
                 v_buf.index_copy_(1, offset, v.to(v_buf.dtype))
                 keys, values = k_buf[:, :end], v_buf[:, :end]
-                x = _block_out(pk, x, q.to(k_buf.dtype), keys, values, mask, r, h1)
+                x = _block_out(pk, x, q, keys, values, mask, r, h1)
             plan = self.plan
             y, final = timestep_norm_step(
                 x, self.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
@@ -592,7 +639,8 @@ class StaticDecoder:
         """tokens [B] (the next token of every row) -> logits [B, V] float32 of the position after them."""
         if not self.plan.is_current(self.model, *self.model._decode_options):
             raise RuntimeError(
-                "the model's weights changed since this StaticDecoder was built; build a new one"
+                "the model's decode weights changed (a parameter update, or to_decode_dtype) since this "
+                "StaticDecoder was built; build a new one"
             )
         offset = self.position % self.chunk
         end = next(e for e in self.ends if e > offset)

@@ -757,19 +757,25 @@ class MegalodonLM(Backbone):
             self._window_statistics(new)
         return x.unsqueeze(1), new
 
-    _decode_options = (torch.float32, "matmul")
+    _decode_options = (torch.float32, "matmul", None)
     _decode_plan = None
 
     @torch.no_grad()
-    def to_decode_dtype(self, dtype: torch.dtype | None, gemv: str = "matmul") -> MegalodonLM:
+    def to_decode_dtype(
+        self, dtype: torch.dtype | None, gemv: str = "matmul", kv_dtype: torch.dtype | None = None
+    ) -> MegalodonLM:
         """Weights of the one-token path: ``dtype`` float32 (or ``None``), torch.bfloat16, or torch.int8
         (weight-only, per-row scales); ``gemv`` "matmul" or "mkldnn" (oneDNN with reordered weights, CPU).
         The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
-        rebuilt whenever a parameter changes. Activations, CEMA, every norm's statistics and the logits
-        stay float32."""
+        rebuilt whenever a parameter changes. ``kv_dtype``: the dtype the unfinished chunk's keys and values
+        are kept in while decoding, torch.bfloat16 (half the memory and the bytes a token reads: at 1536
+        tokens into a chunk of ``megalodon_cpu_bench`` they are 28 MB in float32, as much as its bf16
+        weights) or float32; None keeps the dtype they were computed in (float32, or bf16 from a prompt run
+        under autocast). A prompt's cache in another dtype is converted at the first step. Activations,
+        CEMA, every norm's statistics, the attention's products and the logits stay float32."""
         dtype = torch.float32 if dtype is None else dtype
-        decode.check_decode_options(dtype, gemv, self.output.final_norm.weight.device)
-        self._decode_options = (dtype, gemv)
+        decode.check_decode_options(dtype, gemv, self.output.final_norm.weight.device, kv_dtype)
+        self._decode_options = (dtype, gemv, kv_dtype)
         self._decode_plan = None
         return self
 
