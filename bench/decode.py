@@ -3,6 +3,7 @@
     python -m bench.decode                              # 2 threads, 3 rounds of 40 tokens, prompt 300
     python -m bench.decode --threads 1 --rounds 3 --tokens 60 --profile
     python -m bench.decode --paths "bf16 compiled" --prompt 512   # one path (and the floors)
+    python -m bench.decode --paths "bf16 compiled,bf16 compiled bf16-kv" --prompt 400 --sweep 1024
 
 Every path runs on its own copy of the model and its own stream, and the paths take turns token by token
 (round robin, the floors included), so a load spike on a shared machine hits all of them alike; the caches
@@ -150,6 +151,31 @@ def op_counts(stream: Stream) -> tuple[int, int]:
     return Count.n, nested
 
 
+def sweep(streams: dict, args) -> None:
+    """``--sweep N``: each stream decodes N new positions after the prompt, the streams taking turns token by
+    token, as a long ``generate()`` would meet them (every attended length new, a bucket's first use
+    included); the median and mean ms/token per 128 positions."""
+    span = 128
+    times = {name: [] for name in streams}
+    for s in streams.values():
+        s.restart()
+    for _ in range(args.sweep):
+        for name, s in streams.items():
+            times[name].append(s.next())
+    rows = []
+    for lo in range(0, args.sweep, span):
+        hi = min(args.sweep, lo + span)
+        rows.append([f"{args.prompt + lo}-{args.prompt + hi}"] + [
+            f"{statistics.median(t[lo:hi]) * 1e3:.2f} / {statistics.mean(t[lo:hi]) * 1e3:.2f}"
+            for t in times.values()
+        ])  # fmt: skip
+    print(
+        f"\nGreedy decode, batch 1, {args.sweep} new tokens after a {args.prompt}-token prompt, "
+        f"{args.threads} threads, the paths taking turns; ms per token, median / mean per {span} positions:\n"
+    )
+    print(markdown_table(["positions", *streams], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -165,6 +191,11 @@ def main() -> None:
     ap.add_argument(
         "--no-compile", action="store_true", help="leave out the compiled paths (compile 10-15 s each)"
     )
+    ap.add_argument(
+        "--sweep", type=int, default=0, metavar="N",
+        help="instead of the rounds: every path decodes N new tokens from the prompt (taking turns token by "
+        "token, no floors between them), and the table gives ms/token per 128 positions",
+    )  # fmt: skip
     known = ["segment"] + [p[0] for p in PATHS]
     ap.add_argument(
         "--paths", default=None, help=f"comma list of the paths to time (default: all): {', '.join(known)}"
@@ -198,6 +229,9 @@ def main() -> None:
             continue
         kind = CompiledStream if compiled else Stream
         streams[name] = kind(copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype), prompt)
+    if args.sweep:
+        sweep(streams, args)
+        return
     reads = floors(numel)
     names = list(reads) + list(streams)
     rows = []
