@@ -176,7 +176,7 @@ def sweep(streams: dict, args) -> None:
     print(markdown_table(["positions", *streams], rows))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -200,13 +200,13 @@ def main() -> None:
     ap.add_argument(
         "--paths", default=None, help=f"comma list of the paths to time (default: all): {', '.join(known)}"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     chosen = known if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = [p for p in chosen if p not in known]
     if unknown or not chosen:
         ap.error(f"--paths {args.paths!r}: unknown {unknown or 'none given'}; expected some of {known}")
     setup_threads(args.threads)
-    print(f"# python -m bench.decode {' '.join(sys.argv[1:])}")
+    print(f"# python -m bench.decode {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(machine_description(args.threads))
     from mega_suite import create_model
     from mega_suite.models.megalodon import decode

@@ -470,3 +470,25 @@ def test_row_gemv_choice_is_checked():
     with decode.cuda_row_gemv("triton"):
         assert decode.CUDA_ROW_GEMV == "triton"
     assert decode.CUDA_ROW_GEMV == "mv"
+
+
+def test_the_kv_attention_and_decode_sweep_benchmarks_run(capsys, fresh_dynamo):
+    """``python -m bench.kv_attention`` and ``python -m bench.decode --sweep`` (bench/RESULTS.md §25) at toy
+    sizes: every variant timed, a sweep row per 128 positions per path."""
+    from bench import decode as decode_bench
+    from bench import kv_attention
+
+    args = ["--lengths", "4", "--rounds", "12", "--warmup", "2", "--buffers", "2", "--zd", "8"]
+    assert kv_attention.main(args + ["--value-dim", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "| bf16 compiled |" in out.replace(" ", "").replace("|", " | ").replace("  ", " ")
+        or "bf16 compiled" in out
+    )
+    assert sum(line.startswith("| 4 ") for line in out.splitlines()) == 2  # new n, fixed n
+    with pytest.raises(SystemExit):
+        kv_attention.main(["--variants", "fp64 mm"])
+    decode_bench.main(["--paths", "bf16 matmul bf16-kv", "--no-compile", "--prompt", "8", "--sweep", "130",
+                       "--threads", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 8-136 " in out and "| 136-138 " in out
