@@ -178,6 +178,36 @@ def test_bf16_kv_decode_is_close_and_never_a_bf16_matmul(monkeypatch):
         assert {lc.kv.k_buf.dtype for lc in cache.layers} == {torch.float32}
 
 
+@pytest.mark.parametrize("kv_dtype, prompt_autocast", [(torch.bfloat16, False), (None, True)])
+def test_a_segment_continues_a_cache_in_another_dtype(kv_dtype, prompt_autocast):
+    """A multi-token segment (the full-pass path) after one-token steps that left the chunk's keys in bf16
+    (``kv_dtype`` bf16, or a prompt run under autocast), in float32: the cache is converted to the segment's
+    dtype (a copy; it raised a dtype mismatch before), the next steps convert back, and the logits stay within
+    bf16's rounding of the float64 pass; the new chunk after the boundary starts in ``kv_dtype``."""
+    model = make_lm(chunk_size=8).to_decode_dtype(None, kv_dtype=kv_dtype)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16, enabled=prompt_autocast):
+            first, cache = model(tokens[:, :3], use_cache=True)
+        outs = [first]
+        for i in range(3, 5):
+            logits, cache = model(tokens[:, i : i + 1], cache)
+            outs.append(logits)
+        assert cache.layers[0].kv.k_buf.dtype == torch.bfloat16
+        before = cache.layers[0].kv.keys.clone()
+        logits, later = model(tokens[:, 5:8], cache)  # float32 segment, ends on the chunk boundary
+        outs.append(logits)
+        assert torch.equal(cache.layers[0].kv.keys, before)  # the earlier cache is untouched
+        for i in range(8, 14):
+            logits, later = model(tokens[:, i : i + 1], later)
+            outs.append(logits)
+    if kv_dtype is not None:
+        assert later.layers[0].kv.k_buf.dtype == kv_dtype  # the chunk begun at position 8
+    want = float64_logits(model, tokens).float()
+    model.float()
+    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=0.03 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "in_place", "new_parameter"])
 def test_packed_weights_follow_parameter_changes(change):
     """Decode, change the weights (an optimizer step, a state dict loaded in place, an in-place edit, a
@@ -214,7 +244,10 @@ def test_decode_options_are_checked():
         model.to_decode_dtype(torch.float16)
     with pytest.raises(ValueError, match="decode gemv must be one of"):
         model.to_decode_dtype(torch.float32, "cublas")
-    with pytest.raises(ValueError, match=r"decode kv_dtype must be one of.*torch.float16"):
+    with pytest.raises(
+        ValueError,
+        match=r"decode kv_dtype must be one of \[None, torch.float32, torch.bfloat16\], got torch.float16",
+    ):
         model.to_decode_dtype(torch.float32, kv_dtype=torch.float16)
 
 
@@ -333,6 +366,29 @@ def test_static_decoders_keep_bf16_keys_and_values(fresh_dynamo):
         assert bf16_matmuls(lambda: eager_dec.step(tokens[:, 3])) == []
         dec.load(cache)  # the compiled step: one bf16 product per layer, softmax(·) v
         assert len(bf16_matmuls(lambda: dec.step(tokens[:, 3]))) == model.cfg.num_layers
+
+
+def test_compiled_bf16_kv_decoder_attends_over_64_row_buckets(fresh_dynamo):
+    """The compiled CPU step with bf16 keys / values attends over 64-row steps of the chunk (so that its bf16
+    product repeats its shapes): for C = 128 the ends 64 and 128, no recompilation across a bucket change and
+    the chunk boundary, logits within bf16's rounding of the float64 pass. Changing only ``kv_dtype``
+    afterwards makes the decoder stale (its buffers are bf16): the next step raises."""
+    model = make_lm(chunk_size=128, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 136), generator=torch.Generator().manual_seed(15))
+    want = float64_logits(model, tokens).float()
+    model.float().to_decode_dtype(None, kv_dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits, cache = model(tokens[:, :60], use_cache=True)
+        dec = decode.StaticDecoder(model, cache, compile=True)
+        assert dec.ends == [64, 128]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [dec.step(tokens[:, i]).clone() for i in range(60, 135)]  # offsets 60..127, then 0..6
+    torch.testing.assert_close(
+        torch.stack(got, 1), want[:, 60:135], rtol=0, atol=0.02 * want.abs().max().item()
+    )
+    model.to_decode_dtype(None)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        dec.step(tokens[:, 135])
 
 
 def test_a_failing_compile_is_one_clear_error(monkeypatch, fresh_dynamo):

@@ -42,7 +42,7 @@ from kernels import gemv
 
 WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 GEMV_KINDS = ("matmul", "mkldnn")
-KV_DTYPES = {None: "as computed", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+KV_DTYPES = (None, torch.float32, torch.bfloat16)  # None: the keys / values kept as computed
 CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 keys / values (``attend``)
 
 
@@ -258,8 +258,8 @@ class DecodePlan:
 def check_decode_options(
     dtype: torch.dtype, kind: str, device: torch.device, kv_dtype: torch.dtype | None = None
 ) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"decode kv_dtype must be one of {list(KV_DTYPES.values())}, got {kv_dtype}")
+    if not any(kv_dtype is d for d in KV_DTYPES):
+        raise ValueError(f"decode kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"decode weight dtype must be one of {list(WEIGHT_DTYPES.values())}, got {dtype}")
     if kind not in GEMV_KINDS:
@@ -346,11 +346,13 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tens
     Keys and values stored in bf16 (``kv_dtype``, or a prompt run under autocast) on the CPU: never a bf16
     matmul over a length that changes at every token -- oneDNN builds a kernel for every new shape (0.5-1.5 ms
     per product instead of 0.03-0.15 ms; ``python -m bench.kv_attention``, bench/RESULTS.md §25). Eager, the
-    keys and values are cast and go to float32 BLAS. Compiled (``StaticDecoder``, whose CPU buckets make n a
-    multiple of 64), the scores are float32 reductions into which Inductor fuses the bf16 loads, and for one
+    keys and values are cast and go to float32 BLAS. Compiled (``StaticDecoder``, whose CPU buckets make n
+    one of C/64 lengths: multiples of 64 where 64 divides C), the scores are float32 reductions into which Inductor fuses the bf16 loads, and for one
     row and one head softmax(·) v is a bf16 matmul over the bucketed length (oneDNN reuses its kernel;
     accumulated in float32, the probabilities and the result rounded to bf16, relative 2⁻⁹: as the values
-    themselves, and as the next GEMV rounds its input with bf16 weights); batched, a float32 reduction too. On CUDA the query is rounded to the keys' dtype instead
+    themselves, and as the next GEMV rounds its input with bf16 weights); batched, a float32 reduction too.
+    (That branch assumes bucketed lengths: compiling the eager ``block_step``, whose n grows by one per
+    token, would bring back the per-shape kernel builds.) On CUDA the query is rounded to the keys' dtype instead
     (cuBLAS, float32 accumulation).
     """
     if keys.dtype != q.dtype:

@@ -381,7 +381,10 @@ class MegalodonAttention(nn.Module):
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
             positions = torch.arange(offset, offset + length, device=x.device)
             q, k = self._rope(z, v, positions)
-            kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.append(k, v)
+            kv = cache.kv
+            if kv is not None and kv.k_buf.dtype != k.dtype:  # left in bf16 by decode steps (kv_dtype,
+                kv = ChunkKV.new(kv.keys.to(k.dtype), kv.values.to(k.dtype), c)  # autocast): a copy, as here
+            kv = ChunkKV.new(k, v, c) if kv is None else kv.append(k, v)
             o = attention_with_cache(q, kv.keys, kv.values, offset)
             full = offset + length == c
             new_cache = LayerCache(norm_state, h_last, None if full else kv, cache.window)
@@ -768,11 +771,13 @@ class MegalodonLM(Backbone):
         (weight-only, per-row scales); ``gemv`` "matmul" or "mkldnn" (oneDNN with reordered weights, CPU).
         The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
         rebuilt whenever a parameter changes. ``kv_dtype``: the dtype the unfinished chunk's keys and values
-        are kept in while decoding, torch.bfloat16 (half the memory and the bytes a token reads: at 1536
-        tokens into a chunk of ``megalodon_cpu_bench`` they are 28 MB in float32, as much as its bf16
-        weights) or float32; None keeps the dtype they were computed in (float32, or bf16 from a prompt run
-        under autocast). A prompt's cache in another dtype is converted at the first step. Activations,
-        CEMA, every norm's statistics, the attention's products and the logits stay float32."""
+        are kept in while decoding, torch.bfloat16 (half the memory; at 1536 tokens into a chunk of
+        ``megalodon_cpu_bench`` they are 28 MB in float32, as much as its bf16 weights, and the compiled
+        ``StaticDecoder`` reads them as bf16; the eager step casts them to float32 for its products) or
+        float32; None keeps the dtype they were computed in (float32, or bf16 from a prompt run under
+        autocast). A prompt's cache in another dtype is converted at the first step. Activations, CEMA,
+        every norm's statistics and the logits stay float32; the attention's precision with bf16 keys is
+        ``decode.attend``'s."""
         dtype = torch.float32 if dtype is None else dtype
         decode.check_decode_options(dtype, gemv, self.output.final_norm.weight.device, kv_dtype)
         self._decode_options = (dtype, gemv, kv_dtype)
