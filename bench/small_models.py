@@ -93,8 +93,12 @@ else:
 net = model
 compile_s = None
 if args["compile"]:  # as trainer.compile does: each block in place (one compiled graph shared by the blocks)
+    try:  # and with the checkout's Inductor options on the CPU (none before them)
+        from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+    except ImportError:
+        CPU_INDUCTOR_OPTIONS = {}
     for unit in model.compile_units() if hasattr(model, "compile_units") else list(model.layers):
-        unit.compile()
+        unit.compile(options=CPU_INDUCTOR_OPTIONS) if CPU_INDUCTOR_OPTIONS else unit.compile()
 bf16 = args["precision"] == "bf16-mixed"
 
 def step():

@@ -101,14 +101,23 @@ class SuiteModule(L.LightningModule):
         one compiled graph (compile time of one block, not of the depth), the parameter names and
         checkpoints do not change (no ``_orig_mod.`` prefix), and methods other than ``forward`` that
         training calls (the LM's ``forward_hidden``) run compiled blocks too; a wrapped whole model would
-        compile only ``forward``, which language-model training never calls."""
+        compile only ``forward``, which language-model training never calls. On the CPU (mode "default"),
+        with ``settings.CPU_INDUCTOR_OPTIONS``."""
         if not self.trainer_cfg.get("compile", False):
             return
+        from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+
         backend = self.trainer_cfg.get("compile_backend", "inductor")
         mode = self.trainer_cfg.get("compile_mode", "default")
+        trainer = getattr(self, "_trainer", None)  # configure_model may run before the model is moved
+        device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
+        if mode == "default" and backend == "inductor" and device.type == "cpu":
+            how = dict(options=CPU_INDUCTOR_OPTIONS)  # torch.compile takes a mode or options, not both
+        else:
+            how = dict(mode=None if mode == "default" else mode)
         for unit in self.model.compile_units():
             if getattr(unit, "_compiled_call_impl", None) is None:
-                unit.compile(backend=backend, mode=None if mode == "default" else mode)
+                unit.compile(backend=backend, **how)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """With CUDA-graph compile modes, a new training step begins here: the graphs' outputs of the last

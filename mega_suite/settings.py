@@ -454,6 +454,14 @@ def _validate_mode(cfg: DictConfig) -> None:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that capture CUDA graphs
 
+# Inductor options of ``trainer.compile`` on the CPU (mode "default"): a buffer read by more than one kernel
+# is materialised rather than recomputed inside each (``realize_reads_threshold``, 4 by default). With the
+# default, pg19_small's compiled backward fused the attention's key / value gradient accumulation, the RoPE
+# and Q/K-scale backward into one scalar (unvectorised) loop of 4.3 ms per block, a tenth of the step;
+# with 1 the step runs 1.03-1.14x faster (pg19_small, fp32 and bf16-mixed), the debug classifier 1.22-1.32x
+# in fp32 and 0.71-1.18x in bf16-mixed (noisy), bench/RESULTS.md §26. Not measured on GPUs: not used there.
+CPU_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
+
 
 def check_cudagraph_mode(cfg: DictConfig) -> None:
     """A CUDA-graph compile mode keeps each compiled block's outputs (activations, and the parameters'

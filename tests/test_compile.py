@@ -128,22 +128,25 @@ def test_inductor_on_cuda_equals_eager(kind, monkeypatch):
 
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
-    """``trainer.compile_mode`` is passed to each block's ``compile`` (None for "default"), and a CUDA-graph
-    mode marks a new step at every training batch (``torch.compiler.cudagraph_mark_step_begin``)."""
+    """``trainer.compile_mode`` is passed to each block's ``compile`` (for "default" on the CPU, Inductor's
+    options ``settings.CPU_INDUCTOR_OPTIONS`` instead: torch.compile takes one or the other), and a
+    CUDA-graph mode marks a new step at every training batch (``torch.compiler.cudagraph_mark_step_begin``)."""
+    from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+
     calls, marks = [], []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     for mode, want in (
-        ("default", None),
-        ("reduce-overhead", "reduce-overhead"),
-        ("max-autotune", "max-autotune"),
-        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
+        ("default", dict(options=CPU_INDUCTOR_OPTIONS)),
+        ("reduce-overhead", dict(mode="reduce-overhead")),
+        ("max-autotune", dict(mode="max-autotune")),
+        ("max-autotune-no-cudagraphs", dict(mode="max-autotune-no-cudagraphs")),
     ):
         calls.clear()
         module = make("lm", compile_=False)
         module.trainer_cfg.update(compile=True, compile_backend="inductor", compile_mode=mode)
         module.configure_model()
-        assert calls and all(c == dict(backend="inductor", mode=want) for c in calls)
+        assert calls and all(c == dict(backend="inductor", **want) for c in calls)
         module.on_train_batch_start({}, 0)
     assert len(marks) == 2  # the two CUDA-graph modes only
 
