@@ -4,6 +4,7 @@
     python -m bench.small_models --baseline /tmp/base439 --rounds 3   # + an older checkout, alternating
     python -m bench.small_models --compile                         # + torch.compile (Inductor) of each block, as ``trainer.compile=true``
     python -m bench.small_models --malloc system,tcmalloc          # each variant under both allocators
+    python -m bench.small_models --compile --inductor-defaults     # compiled with and without the suite's CPU options
     python -m bench.small_models --profile pg19_small              # only: profiler table of one step
 
 Models (the recipes' model sections, built with ``create_model``):
@@ -97,6 +98,8 @@ if args["compile"]:  # as trainer.compile does: each block in place (one compile
         from mega_suite.settings import CPU_INDUCTOR_OPTIONS
     except ImportError:
         CPU_INDUCTOR_OPTIONS = {}
+    if args.get("inductor_defaults"):
+        CPU_INDUCTOR_OPTIONS = {}
     for unit in model.compile_units() if hasattr(model, "compile_units") else list(model.layers):
         unit.compile(options=CPU_INDUCTOR_OPTIONS) if CPU_INDUCTOR_OPTIONS else unit.compile()
 bf16 = args["precision"] == "bf16-mixed"
@@ -132,10 +135,12 @@ print(json.dumps(dict(step_s=statistics.median(times), tokens=b * n, params=para
 
 def run_one(
     checkout: Path, model: str, precision: str, compile_: bool, steps: int, threads: int, profile: int = 0,
-    lib: Path | None = None,
+    lib: Path | None = None, inductor_defaults: bool = False,
 ):  # fmt: skip
-    """One (checkout, variant) in a fresh process; ``lib``: an allocator to preload (None: glibc's)."""
+    """One (checkout, variant) in a fresh process; ``lib``: an allocator to preload (None: glibc's);
+    ``inductor_defaults``: compile with Inductor's default options, not the suite's CPU ones."""
     args = dict(model=MODELS[model], precision=precision, compile=compile_, steps=steps, threads=threads)
+    args["inductor_defaults"] = inductor_defaults
     args["profile"] = profile
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.MARK)}
     env.update(PYTHONPATH=str(checkout), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
@@ -163,6 +168,11 @@ def main() -> None:
     ap.add_argument("--models", default="pg19_small,debug")
     ap.add_argument("--precisions", default="32-true,bf16-mixed")
     ap.add_argument("--compile", action="store_true", help="also torch.compile (Inductor) the model")
+    ap.add_argument(
+        "--inductor-defaults", action="store_true",
+        help="with --compile: also each compiled variant with Inductor's default options instead of the "
+        "suite's (settings.CPU_INDUCTOR_OPTIONS), side by side",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -203,7 +213,9 @@ def main() -> None:
         flush=True,
     )
     variants = [(p, False) for p in precisions] + ([(p, True) for p in precisions] if a.compile else [])
-    variants = [(p, c, name) for p, c in variants for name in allocators]
+    variants = [(p, c, name, False) for p, c in variants for name in allocators]
+    if a.inductor_defaults:
+        variants += [(p, True, name, True) for p, c, name, _ in variants if c]
     rows, base_tps = [], {}
     for r in range(1, a.rounds + 1):
         for m in models:
@@ -213,12 +225,17 @@ def main() -> None:
                 base_tps[m, r] = tps
                 rows.append(_row(r, m, "baseline", "32-true", False, res, tps, None, "system"))
                 print(f"  round {r} {m} baseline: {_fmt(tps)} tok/s", flush=True)
-            for p, c, name in variants:
-                res = run_one(ROOT, m, p, c, a.steps, a.threads, lib=allocators[name])
+            for p, c, name, defaults in variants:
+                res = run_one(
+                    ROOT, m, p, c, a.steps, a.threads, lib=allocators[name], inductor_defaults=defaults
+                )
                 tps = res["tokens"] / res["step_s"] if "step_s" in res else None
                 ref = base_tps.get((m, r))
-                rows.append(_row(r, m, "this", p, c, res, tps, ref, name))
-                label = f"{p}{' compiled' if c else ''}{'' if name == 'system' else ' ' + name}"
+                rows.append(
+                    _row(r, m, "this", p, "Inductor defaults" if defaults else c, res, tps, ref, name)
+                )
+                label = f"{p}{' compiled' if c else ''}{' (Inductor defaults)' if defaults else ''}"
+                label += "" if name == "system" else " " + name
                 print(f"  round {r} {m} this {label}: {_fmt(tps)} tok/s", flush=True)
     header = [
         "round",
@@ -267,7 +284,7 @@ def _fmt(x):
 
 
 def _row(r, m, checkout, p, c, res, tps, ref, alloc):
-    head = [r, m, checkout, p, "yes" if c else "no", alloc]
+    head = [r, m, checkout, p, c if isinstance(c, str) else ("yes" if c else "no"), alloc]
     if "error" in res:
         return [*head, "error", res["error"][:60], "-", "-"]
     ratio = f"{tps / ref:.2f}x" if ref else "-"
