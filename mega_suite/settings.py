@@ -458,8 +458,9 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that c
 # is materialised rather than recomputed inside each (``realize_reads_threshold``, 4 by default). With the
 # default, pg19_small's compiled backward fused the attention's key / value gradient accumulation, the RoPE
 # and Q/K-scale backward into one scalar (unvectorised) loop of 4.3 ms per block, a tenth of the step;
-# with 1 the step runs 1.03-1.14x faster (pg19_small, fp32 and bf16-mixed), the debug classifier 1.22-1.32x
-# in fp32 and 0.71-1.18x in bf16-mixed (noisy), bench/RESULTS.md §26. Not measured on GPUs: not used there.
+# with 1 pg19_small's compiled step runs 1.03-1.17x faster in every paired run (fp32 and bf16-mixed); the
+# debug classifier (a 15 ms step) 0.71-1.45x, neither way consistently (bench/RESULTS.md §26). Not
+# measured on GPUs: not used there.
 CPU_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
 
 
