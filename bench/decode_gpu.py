@@ -4,6 +4,7 @@
     python -m bench.decode_gpu --layers 8 --tokens 16   # fewer layers: the same per-layer costs, less memory
     python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --compile --threads 1   # CPU: no graphs
     python -m bench.decode_gpu --gemv mv,cublas,triton  # the compiled graph with each one-row GEMV, side by side
+    python -m bench.decode_gpu --prompt 3000 --kv-dtype bfloat16   # late in a chunk, keys / values in bf16
 
 Measured in one process, after one prompt (reference kernels, so no Triton compile) of ``--prompt`` tokens:
 
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=24, help="timed tokens per path")
     ap.add_argument("--weights", choices=["bfloat16", "float32", "int8"], default="bfloat16")
     ap.add_argument(
+        "--kv-dtype", choices=["as-computed", "float32", "bfloat16"], default="as-computed",
+        help="the chunk's cached keys / values while decoding (to_decode_dtype's kv_dtype; as-computed: "
+        "float32 after this float32 prompt); they are read every token, beside the weights",
+    )  # fmt: skip
+    ap.add_argument(
         "--compile", action="store_true", help="add the static step compiled by torch.compile (Inductor)"
     )
     ap.add_argument(
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = create_model(args.preset, device=device, **overrides).eval()
-    model.to_decode_dtype(getattr(torch, args.weights))
+    kv_dtype = None if args.kv_dtype == "as-computed" else getattr(torch, args.kv_dtype)
+    model.to_decode_dtype(getattr(torch, args.weights), kv_dtype=kv_dtype)
     n_params = count_parameters(model)
     g = torch.Generator().manual_seed(1)
     vocab = model.cfg.vocab_size
@@ -167,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = model.decode_plan()
     dispatch.force_reference(None)
     nbytes = plan_bytes(plan)
+    cfg = model.cfg  # keys and values of the unfinished chunk, read by every decoded token
+    kv_rows = args.prompt % cfg.chunk_size
+    kv_item = 2 if args.kv_dtype == "bfloat16" else 4
+    kv_bytes = kv_rows * cfg.num_layers * (cfg.z_dim + cfg.value_dim) * kv_item
     print(f"model {args.preset} ({n_params / 1e9:.2f}B params, {model.cfg.num_layers} layers) and plan built "
           f"in {time.perf_counter() - t0:.0f} s; decode weights {nbytes / 1e9:.2f} GB", flush=True)  # fmt: skip
     fl = floors(nbytes, device)
@@ -245,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     head = (
         f"{args.preset}, {model.cfg.num_layers} layers, {n_params / 1e9:.2f}B parameters, {args.weights} decode "
         f"weights ({nbytes / 1e9:.2f} GB read per token), batch 1, prompt {args.prompt}, {args.tokens} timed "
-        f"tokens per path; {name}, torch {torch.__version__}. Floors: the weights at the measured copy bandwidth "
+        f"tokens per path; cached keys and values {args.kv_dtype}, {kv_bytes / 1e9:.3f} GB read per token at "
+        f"the prompt's end (not in the floors); {name}, torch {torch.__version__}. Floors: the weights at the "
+        "measured copy bandwidth "
         f"({fl['copy_bw'] / 1e12:.2f} TB/s read + written) = {fl['copy']:.2f} ms; at one bf16 GEMV's bandwidth "
         f"({fl['mv_bw'] / 1e12:.2f} TB/s) = {fl['mv']:.2f} ms.\n\n"
     )

@@ -162,17 +162,19 @@ def test_makefile_target_runs_the_module():
 @pytest.mark.slow
 def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path):
     """``python -m bench.decode_gpu --gemv ...`` (the next GPU lease's A/B of the one-row GEMVs) runs end to
-    end on the CPU, where every variant is torch.mv: its table has the eager path and one row per variant."""
+    end on the CPU, where every variant is torch.mv: its table has the eager path and one row per variant
+    (here with bf16 keys and values, ``--kv-dtype``)."""
     from bench import decode_gpu
 
     torch._dynamo.reset()
     out = tmp_path / "decode.md"
     try:
         rc = decode_gpu.main(["--device", "cpu", "--preset", "megalodon_debug", "--gemv", "mv,triton", "--tokens",
-                              "2", "--prompt", "8", "--out", str(out)])  # fmt: skip
+                              "2", "--prompt", "8", "--kv-dtype", "bfloat16", "--out", str(out)])  # fmt: skip
     finally:
         torch._dynamo.reset()
     assert rc == 0
+    assert "cached keys and values bfloat16" in out.read_text()
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "ms/token" not in line]
     assert [r.split("|")[1].strip() for r in rows] == [
         "eager (block_step)", "compiled step, GEMV mv", "compiled step, GEMV triton"
