@@ -347,13 +347,13 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tens
     matmul over a length that changes at every token -- oneDNN builds a kernel for every new shape (0.5-1.5 ms
     per product instead of 0.03-0.15 ms; ``python -m bench.kv_attention``, bench/RESULTS.md §25). Eager, the
     keys and values are cast and go to float32 BLAS. Compiled (``StaticDecoder``, whose CPU buckets make n
-    one of C/64 lengths: multiples of 64 where 64 divides C), the scores are float32 reductions into which Inductor fuses the bf16 loads, and for one
-    row and one head softmax(·) v is a bf16 matmul over the bucketed length (oneDNN reuses its kernel;
-    accumulated in float32, the probabilities and the result rounded to bf16, relative 2⁻⁹: as the values
-    themselves, and as the next GEMV rounds its input with bf16 weights); batched, a float32 reduction too.
-    (That branch assumes bucketed lengths: compiling the eager ``block_step``, whose n grows by one per
-    token, would bring back the per-shape kernel builds.) On CUDA the query is rounded to the keys' dtype instead
-    (cuBLAS, float32 accumulation).
+    one of C/64 lengths: multiples of 64 where 64 divides C), the scores are float32 reductions into which
+    Inductor fuses the bf16 loads, and for one row and one head softmax(·) v is a bf16 matmul over the
+    bucketed length (oneDNN reuses its kernel; accumulated in float32, the probabilities and the result
+    rounded to bf16, relative 2⁻⁹: as the values themselves, and as the next GEMV rounds its input with bf16
+    weights); batched, a float32 reduction too. (That branch assumes bucketed lengths: compiling the eager
+    ``block_step``, whose n grows by one per token, would bring back the per-shape kernel builds.) On CUDA
+    the query is rounded to the keys' dtype instead (cuBLAS, float32 accumulation).
     """
     if keys.dtype != q.dtype:
         if keys.device.type != "cpu":
@@ -445,9 +445,9 @@ class StaticDecoder:
     ``buckets`` defaults to 8 with CUDA graphs (one graph per bucket, captured the first time it is needed,
     sharing one memory pool; a step reads at most C/8 rows more than the eager one), to C/64 for the compiled
     CPU step with bf16 keys and values (64-row steps, so that their bf16 matmul repeats its shapes: ``attend``)
-    and to C otherwise (exactly t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a value of ``CUDA_ROW_GEMV``;
-    None: the module's setting). ``compile``: the step through torch.compile, compiled in the constructor
-    (see ``_compile``).
+    and to C otherwise (exactly t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a
+    value of ``CUDA_ROW_GEMV``; None: the module's setting). ``compile``: the step through torch.compile,
+    compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does).
     """
@@ -469,11 +469,9 @@ class StaticDecoder:
         self.chunk = model.cfg.chunk_size
         first = cache.layers[0].kv  # the prompt's keys / values, in the dtype its pass computed them
         kdt = self.plan.kv_dtype or (first.k_buf.dtype if first is not None else torch.float32)
-        if buckets is None:  # a graph per bucket on CUDA; without graphs, attend over exactly t + 1 rows ...
+        if buckets is None:  # a graph per bucket on CUDA; without graphs, attend over exactly t + 1 rows,
             buckets = min(8, self.chunk) if self.graphs else self.chunk
-            if (
-                compile and kdt == torch.bfloat16 and device.type == "cpu"
-            ):  # ... or over 64-row steps: see ``attend``
+            if compile and kdt == torch.bfloat16 and device.type == "cpu":  # or 64-row steps (``attend``)
                 buckets = max(1, self.chunk // CPU_KV_BUCKET_ROWS)
         if not 1 <= buckets <= self.chunk:
             raise ValueError(f"buckets must be in [1, chunk_size={self.chunk}], got {buckets}")
