@@ -407,13 +407,10 @@ def block_step(pk: BlockPack, x: Tensor, cache, pos: int):
         kdt = pk.kv_dtype or k.dtype
         kv = ChunkKV.new(k.to(kdt), v.to(kdt), pk.chunk)
     else:
-        kv = cache.kv
         # None: the chunk's dtype (bf16 when its earlier tokens ran under autocast); a prompt's cache held in
         # another dtype than ``kv_dtype`` is converted once, at the chunk's first step
-        kdt = pk.kv_dtype or kv.k_buf.dtype
-        if kv.k_buf.dtype != kdt:
-            kv = ChunkKV.new(kv.keys.to(kdt), kv.values.to(kdt), pk.chunk)
-        kv = kv.append(k.to(kdt), v.to(kdt))
+        kdt = pk.kv_dtype or cache.kv.k_buf.dtype
+        kv = cache.kv.to(kdt).append(k.to(kdt), v.to(kdt))
     out = _block_out(pk, x, q, kv.keys, kv.values, None, r, h1)
     full = offset + 1 == pk.chunk
     return out, LayerCache(norm_state, state, None if full else kv, cache.window)

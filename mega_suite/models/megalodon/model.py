@@ -241,6 +241,13 @@ class ChunkKV:
         mark[0] = n + l
         return ChunkKV(kb, vb, n + l, mark)
 
+    def to(self, dtype: torch.dtype) -> ChunkKV:
+        """These keys and values in ``dtype``: ``self`` if they are, else a copy in new buffers of the same
+        capacity (``self`` and caches sharing its buffers unchanged)."""
+        if self.k_buf.dtype == dtype:
+            return self
+        return ChunkKV.new(self.keys.to(dtype), self.values.to(dtype), self.k_buf.shape[1])
+
     @property
     def keys(self) -> Tensor:
         return self.k_buf[:, : self.length]
@@ -381,10 +388,8 @@ class MegalodonAttention(nn.Module):
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
             positions = torch.arange(offset, offset + length, device=x.device)
             q, k = self._rope(z, v, positions)
-            kv = cache.kv
-            if kv is not None and kv.k_buf.dtype != k.dtype:  # left in bf16 by decode steps (kv_dtype,
-                kv = ChunkKV.new(kv.keys.to(k.dtype), kv.values.to(k.dtype), c)  # autocast): a copy, as here
-            kv = ChunkKV.new(k, v, c) if kv is None else kv.append(k, v)
+            # a chunk left in bf16 by decode steps (kv_dtype, autocast) continues in this segment's dtype
+            kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.to(k.dtype).append(k, v)
             o = attention_with_cache(q, kv.keys, kv.values, offset)
             full = offset + length == c
             new_cache = LayerCache(norm_state, h_last, None if full else kv, cache.window)
