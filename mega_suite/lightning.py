@@ -19,7 +19,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
 from mega_suite.models import build_model
-from mega_suite.settings import ADAMW_KERNELS
+from mega_suite.settings import ADAMW_KERNELS, CPU_INDUCTOR_OPTIONS
 
 STAGES = ("val", "test")
 
@@ -105,8 +105,6 @@ class SuiteModule(L.LightningModule):
         with ``settings.CPU_INDUCTOR_OPTIONS``."""
         if not self.trainer_cfg.get("compile", False):
             return
-        from mega_suite.settings import CPU_INDUCTOR_OPTIONS
-
         backend = self.trainer_cfg.get("compile_backend", "inductor")
         mode = self.trainer_cfg.get("compile_mode", "default")
         trainer = getattr(self, "_trainer", None)  # configure_model may run before the model is moved
