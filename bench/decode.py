@@ -4,11 +4,12 @@
     python -m bench.decode --threads 1 --rounds 3 --tokens 60 --profile
     python -m bench.decode --paths "bf16 compiled" --prompt 512   # one path (and the floors)
     python -m bench.decode --paths "bf16 compiled,bf16 compiled bf16-kv" --prompt 400 --sweep 1024
+    python -m bench.decode --paths "bf16 compiled bf16-kv" --prompt 64 --sweep 1920 --order blocks   # as generate()
 
 Every path runs on its own copy of the model and its own stream, and the paths take turns token by token
 (round robin, the floors included), so a load spike on a shared machine hits all of them alike; the caches
 are then cold at every token. ``--order blocks`` has each path decode its tokens back to back instead, as
-``generate`` does. Paths:
+``generate`` does (with ``--sweep``: 128 tokens per turn). Paths:
 
 - floors: one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix holding as many weights as the model
   (``bench.common.weight_read_floor``'s matrix), row-major (``mv``) and column-major (``mv Wᵀ``: the same
@@ -152,16 +153,24 @@ def op_counts(stream: Stream) -> tuple[int, int]:
 
 
 def sweep(streams: dict, args) -> None:
-    """``--sweep N``: each stream decodes N new positions after the prompt, the streams taking turns token by
-    token, as a long ``generate()`` would meet them (every attended length new, a bucket's first use
-    included); the median and mean ms/token per 128 positions."""
+    """``--sweep N``: each stream decodes N new positions after the prompt, as a long ``generate()`` would meet
+    them (every attended length new, a bucket's first use included); the median and mean ms/token per 128
+    positions. ``--order round-robin``: the streams take turns token by token (caches cold at every token);
+    ``blocks``: each stream decodes 128 positions back to back, then the next one (caches as warm as in
+    ``generate()``; the streams still alternate every 128 positions, so load drift reaches all alike)."""
     span = 128
     times = {name: [] for name in streams}
     for s in streams.values():
         s.restart()
-    for _ in range(args.sweep):
-        for name, s in streams.items():
-            times[name].append(s.next())
+    for lo in range(0, args.sweep, span):
+        block = range(lo, min(args.sweep, lo + span))
+        if args.order == "blocks":
+            for name, s in streams.items():
+                times[name] += [s.next() for _ in block]
+        else:
+            for _ in block:
+                for name, s in streams.items():
+                    times[name].append(s.next())
     rows = []
     for lo in range(0, args.sweep, span):
         hi = min(args.sweep, lo + span)
@@ -171,7 +180,9 @@ def sweep(streams: dict, args) -> None:
         ])  # fmt: skip
     print(
         f"\nGreedy decode, batch 1, {args.sweep} new tokens after a {args.prompt}-token prompt, "
-        f"{args.threads} threads, the paths taking turns; ms per token, median / mean per {span} positions:\n"
+        f"{args.threads} threads, the paths taking turns "
+        f"{'every 128 tokens' if args.order == 'blocks' else 'token by token'}; ms per token, median / mean "
+        f"per {span} positions:\n"
     )
     print(markdown_table(["positions", *streams], rows))
 
@@ -193,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--sweep", type=int, default=0, metavar="N",
-        help="instead of the rounds: every path decodes N new tokens from the prompt (taking turns token by "
-        "token, no floors between them), and the table gives ms/token per 128 positions",
+        help="instead of the rounds: every path decodes N new tokens from the prompt (taking turns as --order "
+        "says: token by token, or every 128 tokens; no floors between them), and the table gives ms/token per "
+        "128 positions",
     )  # fmt: skip
     known = ["segment"] + [p[0] for p in PATHS]
     ap.add_argument(

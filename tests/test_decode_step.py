@@ -546,3 +546,26 @@ def test_the_kv_attention_and_decode_sweep_benchmarks_run(capsys, fresh_dynamo):
                        "--threads", "1"])  # fmt: skip
     out = capsys.readouterr().out
     assert "| 8-136 " in out and "| 136-138 " in out
+
+
+@pytest.mark.parametrize("order", ["round-robin", "blocks"])
+def test_the_decode_sweep_takes_turns_as_ordered(monkeypatch, capsys, order):
+    """``--sweep --order blocks``: each path decodes 128 positions back to back (as ``generate()`` does,
+    caches warm), then the next; round-robin alternates token by token."""
+    from bench import decode as decode_bench
+
+    calls = []
+    real_next = decode_bench.Stream.next
+
+    def next_(self):
+        calls.append(id(self))
+        return real_next(self)
+
+    monkeypatch.setattr(decode_bench.Stream, "next", next_)
+    decode_bench.main(["--paths", "fp32 matmul,bf16 matmul", "--no-compile", "--prompt", "4", "--sweep", "130",
+                       "--threads", "1", "--order", order])  # fmt: skip
+    assert len(calls) == 260 and len(set(calls)) == 2
+    switches = sum(a != b for a, b in zip(calls, calls[1:]))
+    # blocks: A x128, B x128, A x2, B x2; round-robin: a switch at every token
+    assert switches == (3 if order == "blocks" else 259)
+    assert ("every 128 tokens" in capsys.readouterr().out) == (order == "blocks")
