@@ -18,8 +18,11 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
 - the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
   ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``);
 - ``compiled``: the same packs through ``decode.StaticDecoder(model, cache, compile=True)`` (fixed buffers,
-  one Inductor graph per step, compiled once before the rounds); ``bf16-kv``: the chunk's keys and values
-  kept in bf16 (``to_decode_dtype(..., kv_dtype=torch.bfloat16)``), half the bytes a token reads there.
+  one Inductor graph per step, compiled once before the rounds; "matmul" packed as "rows", W [O, I], whose
+  ``torch.mv`` Inductor compiles into its own reductions); ``compiled blas``: the float32 compiled step on
+  the BLAS "matmul" packs (``StaticDecoder(..., gemv="matmul")``, the compiled step before §27);
+  ``bf16-kv``: the chunk's keys and values kept in bf16 (``to_decode_dtype(..., kv_dtype=torch.bfloat16)``),
+  half the bytes a token reads there.
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -51,6 +54,7 @@ PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDeco
     ("bf16 mkldnn", torch.bfloat16, "mkldnn", False, None),
     ("int8", torch.int8, "matmul", False, None),
     ("fp32 compiled", torch.float32, "matmul", True, None),
+    ("fp32 compiled blas", torch.float32, "matmul", True, None),
     ("bf16 compiled", torch.bfloat16, "matmul", True, None),
     ("bf16 compiled bf16-kv", torch.bfloat16, "matmul", True, torch.bfloat16),
     ("int8 compiled", torch.int8, "matmul", True, None),
@@ -91,13 +95,17 @@ class CompiledStream(Stream):
 
     decoder = None
 
+    def __init__(self, model, prompt, gemv: str | None = None):
+        self.gemv = gemv  # StaticDecoder's: None packs "matmul" as "rows"
+        super().__init__(model, prompt)
+
     def restart(self) -> None:
         from mega_suite.models.megalodon import decode
 
         super().restart()
         if self.decoder is None:
             t0 = time.perf_counter()
-            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True)
+            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True, gemv=self.gemv)
             print(f"  torch.compile of the static step: {time.perf_counter() - t0:.0f} s", flush=True)
         else:
             self.decoder.load(self.cache)
@@ -239,8 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, dtype, gemv, compiled, kv_dtype in paths:
         if compiled and args.no_compile:
             continue
-        kind = CompiledStream if compiled else Stream
-        streams[name] = kind(copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype), prompt)
+        model = copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype)
+        if compiled:
+            streams[name] = CompiledStream(model, prompt, gemv="matmul" if name.endswith(" blas") else None)
+        else:
+            streams[name] = Stream(model, prompt)
     if args.sweep:
         sweep(streams, args)
         return

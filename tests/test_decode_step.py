@@ -4,6 +4,8 @@ GEMV kernels, across chunk boundaries, with several heads, layer scale and the p
 windowed-statistics mode agrees with the segment path; bf16 and int8 decode weights stay within their
 rounding of the float64 pass and leave the parameters untouched; the packed weights never go stale."""
 
+import copy
+
 import pytest
 import test_model as tm
 import torch
@@ -12,7 +14,7 @@ from mega_suite import MegalodonLM
 from mega_suite.models.megalodon import decode
 from mega_suite.models.megalodon.model import MegalodonBlock
 
-GEMVS = ["matmul"] + (["mkldnn"] if decode.mkldnn_available(torch.device("cpu")) else [])
+GEMVS = ["matmul", "rows"] + (["mkldnn"] if decode.mkldnn_available(torch.device("cpu")) else [])
 
 
 def make_lm(seed=0, **overrides):
@@ -426,6 +428,42 @@ def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
         got = torch.cat([logits] + [dec.step(tokens[:, i]).clone()[:, None] for i in range(3, 14)], 1)
     want = float64_logits(model, tokens).float()
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+
+
+def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dynamo):
+    """Compiled on the CPU, a float32 "matmul" plan is packed as "rows" (W [O, I], one ``torch.mv`` per GEMV,
+    which Inductor compiles into its own reductions: no BLAS ``addmm`` in the step, where the "matmul"
+    packs ran 20 per token at ``megalodon_cpu_bench``); the logits stay the float64 pass's to float32
+    rounding; the eager path keeps its own "matmul" packs; a change of the decode options, or a parameter
+    replaced by a new one before ``load``, makes the decoder stale."""
+    model = make_lm(chunk_size=8, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 13), generator=torch.Generator().manual_seed(9))
+    want = float64_logits(copy.deepcopy(model), tokens)
+    got, dec = static_decode_logits(model, tokens, 3, compile=True)
+    assert dec.plan.options[1] == "rows" and dec.plan.blocks[0].gemv_13.kind == "rows"
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        dec.step(tokens[:, 0])
+    ops = {e.key: e.count for e in prof.key_averages()}
+    assert "aten::addmm" not in ops and ops.get("aten::mm", 0) <= 2 * model.cfg.num_layers  # attention only
+    eager = decode_logits(model, tokens, prompt=3)  # rebuilds the model's own packs
+    assert model.decode_plan().options[1] == "matmul" and dec.plan.options[1] == "rows"
+    torch.testing.assert_close(eager.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+    dec.step(tokens[:, 0])  # its packs are still the model's weights
+    model.to_decode_dtype(torch.float32, kv_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        dec.step(tokens[:, 0])
+    model.to_decode_dtype(None)
+    fc2 = model.layers[0].nffn.fc2
+    _, cache = model(tokens[:, :3], use_cache=True)
+    with pytest.raises(ValueError, match="decode gemv must be one of"):
+        decode.StaticDecoder(model, cache, gemv="blas")
+    assert decode.StaticDecoder(model, cache, gemv="matmul").plan.options[1] == "matmul"  # as asked
+    dec = decode.StaticDecoder(model, cache, compile=True)
+    fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
+    dec.load(cache)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        dec.step(tokens[:, 3])
 
 
 def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fresh_dynamo):

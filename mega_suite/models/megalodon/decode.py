@@ -18,8 +18,9 @@ weights older than the model's.
 Weights: float32, bfloat16 (activations cast to bf16 at each GEMV, accumulated and returned in float32) or
 int8 weight-only (per-output-row scales, ``aten._weight_int8pack_mm`` with bf16 activations). Kernels for
 float32 / bfloat16: ``matmul`` (float32: x @ Wᵀ with Wᵀ stored contiguous, read row by row; bfloat16:
-``torch.mv`` over W [O, I] for one row) or ``mkldnn`` (oneDNN's linear with the weight reordered once,
-``mkldnn._linear_pointwise``; CPU only).
+``torch.mv`` over W [O, I] for one row), ``rows`` (W [O, I], ``torch.mv`` for one row in float32 too: what
+the compiled CPU step reads, see ``StaticDecoder``) or ``mkldnn`` (oneDNN's linear with the weight reordered
+once, ``mkldnn._linear_pointwise``; CPU only).
 
 ``StaticDecoder`` runs the same step on fixed buffers, for CUDA graphs and for ``torch.compile`` (the CEMA
 and RoPE products in real arithmetic there, so that Inductor fuses a block's elementwise ops into a few
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 from kernels import gemv
 
 WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
-GEMV_KINDS = ("matmul", "mkldnn")
+GEMV_KINDS = ("matmul", "rows", "mkldnn")
 KV_DTYPES = (None, torch.float32, torch.bfloat16)  # None: the keys / values kept as computed
 CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 keys / values (``attend``)
 
@@ -94,9 +95,10 @@ class Gemv:
     """y = x Wᵀ + b (+ add) for x [B, I] float32 -> [B, O] float32, with W stored for one kernel.
 
     ``weight`` [O, I] and ``bias`` [O] (or None) are float32 (already folded); the stored copy is the only
-    one read at decode time: float32 as Wᵀ [I, O] or, for I > O, W [O, I] (``x @ Wᵀ`` either way),
-    bfloat16 as W [O, I] (``torch.mv``, the faster bf16 layout here; on CUDA see ``CUDA_ROW_GEMV``), int8
-    as W [O, I] with per-row scales, or oneDNN's reordered blocks.
+    one read at decode time: float32 ``matmul`` as Wᵀ [I, O] or, for I > O, W [O, I] (``x @ Wᵀ`` either
+    way: BLAS), float32 ``rows`` and bfloat16 as W [O, I] (``torch.mv`` for one row: the faster bf16 layout
+    here, and the one Inductor compiles into its own reduction; on CUDA see ``CUDA_ROW_GEMV``), int8 as
+    W [O, I] with per-row scales, or oneDNN's reordered blocks.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, kind: str):
@@ -110,9 +112,11 @@ class Gemv:
         elif kind == "mkldnn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), 1)
             self.mk_bias = None if bias is None or dtype != torch.float32 else bias
-        elif dtype == torch.bfloat16:
+        elif dtype == torch.bfloat16 or kind == "rows":
             # [O, I], read by torch.mv for one row: bf16 x @ Wᵀ-stored reads 1.3x slower than mv on this
-            # CPU's AVX512-BF16 (bench/RESULTS.md §13, floors "bf16 mv" against "bf16 mv Wᵀ")
+            # CPU's AVX512-BF16 (bench/RESULTS.md §13, floors "bf16 mv" against "bf16 mv Wᵀ"). float32
+            # "rows": under torch.compile on the CPU, torch.mv becomes Inductor's own vectorised dot products
+            # (27 GB/s) where BLAS over either layout read 19 (bench/RESULTS.md §27)
             self.w = weight.to(dtype).contiguous()
             self.kind = "rows"
         else:
@@ -126,6 +130,11 @@ class Gemv:
     def __call__(self, x: Tensor, add: Tensor | None = None) -> Tensor:
         """x [B, I] float32 -> [B, O] float32; ``add`` [B, O] is added (a residual folded into the GEMV)."""
         bias = self.bias
+        if self.dtype == torch.float32 and self.kind == "rows":
+            y = torch.mv(self.w, x[0])[None] if x.shape[0] == 1 else x @ self.w.t()
+            if bias is not None:
+                y = y.add_(bias)
+            return y if add is None else y.add_(add)
         if self.dtype == torch.float32:
             if self.kind == "mkldnn":
                 y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.mk_bias, "none", [], "")
@@ -446,20 +455,30 @@ class StaticDecoder:
     value of ``CUDA_ROW_GEMV``; None: the module's setting). ``compile``: the step through torch.compile,
     compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
-    while a decoder lives (``step`` checks, as the eager path does).
+    while a decoder lives (``step`` checks, as the eager path does). ``gemv``: the GEMV kind to pack for
+    (``GEMV_KINDS``); None: the model's, except that compiled on the CPU a ``matmul`` plan is packed as
+    ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction).
     """
 
     @torch.inference_mode(False)  # buffers are normal tensors, updatable in and out of inference
     @torch.no_grad()
     def __init__(
         self, model: nn.Module, cache, buckets: int | None = None, graphs: bool | None = None,
-        compile: bool = False, row_gemv: str | None = None,
+        compile: bool = False, row_gemv: str | None = None, gemv: str | None = None,
     ):  # fmt: skip
         self.row_gemv = None if row_gemv is None else _check_row_gemv(row_gemv)
         if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
             raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
-        self.model, self.plan = model, model.decode_plan()
-        device = self.plan.final_w1.device
+        self.model, self.options = model, model._decode_options
+        device = model.output.final_norm.weight.device
+        kind = self.options[1] if gemv is None else gemv
+        check_decode_options(self.options[0], kind, device, self.options[2])
+        # Compiled on the CPU, "matmul" packs are read as "rows" (W [O, I], torch.mv): Inductor compiles each
+        # into a vectorised reduction fused with its prologue, 1.4x faster per float32 token than BLAS over
+        # the eager layout (bench/RESULTS.md §27). The model keeps the plan last asked for.
+        if gemv is None and compile and device.type == "cpu" and kind == "matmul":
+            kind = "rows"
+        self.plan = model.decode_plan(kind)
         self.graphs = device.type == "cuda" if graphs is None else graphs
         if self.graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model; this one is on {device}")
@@ -521,6 +540,7 @@ class StaticDecoder:
                 f"this decoder keeps keys / values in {kdt}; the cache's differ (build a new one)"
             )
         self.position = cache.position
+        self.plan.params_checked = False  # the next step also compares the parameter objects (a replaced one)
         for (norm, cema, k_buf, v_buf), lc in zip(self.layers, cache.layers):
             for buf, t in zip(norm, lc.norm):
                 buf.copy_(t)
@@ -634,7 +654,9 @@ class StaticDecoder:
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         """tokens [B] (the next token of every row) -> logits [B, V] float32 of the position after them."""
-        if not self.plan.is_current(self.model, *self.model._decode_options):
+        if self.model._decode_options != self.options or not self.plan.is_current(
+            self.model, *self.plan.options
+        ):
             raise RuntimeError(
                 "the model's decode weights changed (a parameter update, or to_decode_dtype) since this "
                 "StaticDecoder was built; build a new one"

@@ -773,7 +773,9 @@ class MegalodonLM(Backbone):
         self, dtype: torch.dtype | None, gemv: str = "matmul", kv_dtype: torch.dtype | None = None
     ) -> MegalodonLM:
         """Weights of the one-token path: ``dtype`` float32 (or ``None``), torch.bfloat16, or torch.int8
-        (weight-only, per-row scales); ``gemv`` "matmul" or "mkldnn" (oneDNN with reordered weights, CPU).
+        (weight-only, per-row scales); ``gemv`` "matmul" (BLAS), "rows" (``torch.mv`` over W [O, I]: what
+        the compiled CPU ``StaticDecoder`` reads whichever is set here; slower eager) or "mkldnn" (oneDNN
+        with reordered weights, CPU).
         The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
         rebuilt whenever a parameter changes. ``kv_dtype``: the dtype the unfinished chunk's keys and values
         are kept in while decoding, torch.bfloat16 (half the memory; at 1536 tokens into a chunk of
@@ -790,12 +792,16 @@ class MegalodonLM(Backbone):
         return self
 
     @torch.no_grad()
-    def decode_plan(self) -> decode.DecodePlan:
+    def decode_plan(self, kind: str | None = None) -> decode.DecodePlan:
         """The packed decode weights, rebuilt if any parameter changed since they were packed (training,
-        ``load_state_dict``, ``to``; see ``decode.DecodePlan.is_current``)."""
+        ``load_state_dict``, ``to``; see ``decode.DecodePlan.is_current``). ``kind``: a GEMV kind to pack
+        for other than ``to_decode_dtype``'s (the compiled CPU ``StaticDecoder`` asks for "rows"); the
+        model keeps the plan last asked for."""
+        dtype, gemv, kv_dtype = self._decode_options
+        options = (dtype, gemv if kind is None else kind, kv_dtype)
         plan = self._decode_plan
-        if plan is None or not plan.is_current(self, *self._decode_options):
-            plan = self._decode_plan = decode.DecodePlan(self, *self._decode_options)
+        if plan is None or not plan.is_current(self, *options):
+            plan = self._decode_plan = decode.DecodePlan(self, *options)
         return plan
 
     def _window_statistics(self, cache: StreamingCache) -> None:
