@@ -19,8 +19,9 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
   ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``);
 - ``compiled``: the same packs through ``decode.StaticDecoder(model, cache, compile=True)`` (fixed buffers,
   one Inductor graph per step, compiled once before the rounds; "matmul" packed as "rows", W [O, I], whose
-  ``torch.mv`` Inductor compiles into its own reductions); ``compiled blas``: the float32 compiled step on
-  the BLAS "matmul" packs (``StaticDecoder(..., gemv="matmul")``, the compiled step before §27);
+  ``torch.mv`` Inductor compiles into its own reductions, with ``decode.CPU_COMPILE_OPTIONS``); ``baseline``:
+  the compiled step as it was before bench/RESULTS.md §27, side by side: the "matmul" packs (BLAS for
+  float32 GEMVs and the head) and Inductor's default options (``gemv="matmul", compile_options={}``);
   ``bf16-kv``: the chunk's keys and values kept in bf16 (``to_decode_dtype(..., kv_dtype=torch.bfloat16)``),
   half the bytes a token reads there.
 
@@ -54,9 +55,10 @@ PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDeco
     ("bf16 mkldnn", torch.bfloat16, "mkldnn", False, None),
     ("int8", torch.int8, "matmul", False, None),
     ("fp32 compiled", torch.float32, "matmul", True, None),
-    ("fp32 compiled blas", torch.float32, "matmul", True, None),
+    ("fp32 compiled baseline", torch.float32, "matmul", True, None),
     ("bf16 compiled", torch.bfloat16, "matmul", True, None),
     ("bf16 compiled bf16-kv", torch.bfloat16, "matmul", True, torch.bfloat16),
+    ("bf16 compiled bf16-kv baseline", torch.bfloat16, "matmul", True, torch.bfloat16),
     ("int8 compiled", torch.int8, "matmul", True, None),
 ]
 
@@ -95,8 +97,9 @@ class CompiledStream(Stream):
 
     decoder = None
 
-    def __init__(self, model, prompt, gemv: str | None = None):
-        self.gemv = gemv  # StaticDecoder's: None packs "matmul" as "rows"
+    def __init__(self, model, prompt, baseline: bool = False):
+        # StaticDecoder's defaults ("matmul" packed as "rows", CPU_COMPILE_OPTIONS), or the step before §27
+        self.options = dict(gemv="matmul", compile_options={}) if baseline else {}
         super().__init__(model, prompt)
 
     def restart(self) -> None:
@@ -105,7 +108,7 @@ class CompiledStream(Stream):
         super().restart()
         if self.decoder is None:
             t0 = time.perf_counter()
-            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True, gemv=self.gemv)
+            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True, **self.options)
             print(f"  torch.compile of the static step: {time.perf_counter() - t0:.0f} s", flush=True)
         else:
             self.decoder.load(self.cache)
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         model = copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype)
         if compiled:
-            streams[name] = CompiledStream(model, prompt, gemv="matmul" if name.endswith(" blas") else None)
+            streams[name] = CompiledStream(model, prompt, baseline=name.endswith(" baseline"))
         else:
             streams[name] = Stream(model, prompt)
     if args.sweep:

@@ -430,6 +430,19 @@ def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
+def test_the_compiled_cpu_step_is_compiled_with_the_cpu_options(monkeypatch, fresh_dynamo):
+    """``StaticDecoder(compile=True)`` on the CPU passes ``decode.CPU_COMPILE_OPTIONS`` to torch.compile (with
+    Inductor's default a GEMV recomputed its input's norm for every output row)."""
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real(fn, **kw))
+    model = make_lm(chunk_size=8, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(9))
+    static_decode_logits(model, tokens, 3, compile=True)
+    static_decode_logits(model, tokens, 3, compile=True, compile_options={})  # Inductor's defaults
+    assert seen == [{"fullgraph": True, "options": {"realize_opcount_threshold": 1}}, {"fullgraph": True}]
+
+
 def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dynamo):
     """Compiled on the CPU, a float32 "matmul" plan is packed as "rows" (W [O, I], one ``torch.mv`` per GEMV,
     which Inductor compiles into its own reductions: no BLAS ``addmm`` in the step, where the "matmul"

@@ -45,6 +45,13 @@ WEIGHT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int
 GEMV_KINDS = ("matmul", "rows", "mkldnn")
 KV_DTYPES = (None, torch.float32, torch.bfloat16)  # None: the keys / values kept as computed
 CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 keys / values (``attend``)
+# Inductor options of the compiled CPU step (``StaticDecoder``): a pointwise result is materialised once
+# rather than inlined into the reduction that reads it (``realize_opcount_threshold``: 30 ops by default).
+# With the default, a GEMV's reduction recomputed its input -- the final TimestepNorm's, in float64 --
+# for every output row (the head's loop was scalar); with 1, 0.4-0.8 ms less per token at
+# ``megalodon_cpu_bench`` (float32 and bf16, 64-1536 tokens into a chunk, bench/RESULTS.md §27). GPUs keep
+# Inductor's defaults (not measured there).
+CPU_COMPILE_OPTIONS = {"realize_opcount_threshold": 1}
 
 
 def mkldnn_available(device: torch.device) -> bool:
@@ -457,7 +464,8 @@ class StaticDecoder:
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does). ``gemv``: the GEMV kind to pack for
     (``GEMV_KINDS``); None: the model's, except that compiled on the CPU a ``matmul`` plan is packed as
-    ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction).
+    ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction). ``compile_options``:
+    Inductor's options for the compile (None: ``CPU_COMPILE_OPTIONS`` on the CPU, the defaults elsewhere).
     """
 
     @torch.inference_mode(False)  # buffers are normal tensors, updatable in and out of inference
@@ -465,6 +473,7 @@ class StaticDecoder:
     def __init__(
         self, model: nn.Module, cache, buckets: int | None = None, graphs: bool | None = None,
         compile: bool = False, row_gemv: str | None = None, gemv: str | None = None,
+        compile_options: dict | None = None,
     ):  # fmt: skip
         self.row_gemv = None if row_gemv is None else _check_row_gemv(row_gemv)
         if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
@@ -513,7 +522,7 @@ class StaticDecoder:
                 raise ValueError("compile=True needs chunk_size >= 2")
             self.ends = sorted({max(e, 2) for e in self.ends})
             with cuda_row_gemv(self.row_gemv):
-                self._step = self._compile()
+                self._step = self._compile(compile_options)
         else:
             self._step = lambda end: self._step_rows(self.rows[:end])
 
@@ -587,7 +596,7 @@ class StaticDecoder:
                 buf.copy_(new)
             return plan.head(y)
 
-    def _compile(self):
+    def _compile(self, options: dict | None):
         """torch.compile of ``_step_rows``: Inductor fuses the elementwise ops of a block into a few C++ loops
         (the CEMA and RoPE products are real arithmetic so that it can); on the CPU the GEMVs stay BLAS calls,
         on CUDA Inductor fuses each with its prologue (norm, SiLU, casts) into a Triton reduction. Compiled
@@ -598,13 +607,17 @@ class StaticDecoder:
         (a guard). After the warm-up, calls skip Dynamo's guard evaluation except what tells its graphs
         apart (``skip_guard_eval_unsafe``: 0.1 ms, 5% of a bf16 step on 2 cores). That is safe here
         because a graph reads only this decoder's own buffers, never replaced or reshaped, and the plan's
-        tensors, whose staleness ``step`` checks before every call."""
+        tensors, whose staleness ``step`` checks before every call. ``options``: Inductor's (None: on the CPU
+        ``CPU_COMPILE_OPTIONS``)."""
         # Dynamo keeps compiled graphs per code object: a copy of the step's code per decoder gives each
         # decoder its own cache (static weight shapes, one guard set to check, no shared recompile limit).
         fn = StaticDecoder._step_rows
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-        compiled = torch.compile(types.MethodType(own, self), fullgraph=True)
         device = self.rows.device.type
+        if options is None:
+            options = CPU_COMPILE_OPTIONS if device == "cpu" else {}
+        how = {"options": options} if options else {}
+        compiled = torch.compile(types.MethodType(own, self), fullgraph=True, **how)
 
         warm = False
 
