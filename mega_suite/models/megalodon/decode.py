@@ -24,8 +24,8 @@ once, ``mkldnn._linear_pointwise``; CPU only).
 
 ``StaticDecoder`` runs the same step on fixed buffers, for CUDA graphs and for ``torch.compile`` (the CEMA
 and RoPE products in real arithmetic there, so that Inductor fuses a block's elementwise ops into a few
-loops, and float32 GEMVs packed as ``rows`` on the CPU): on a 2-core CPU it is the fastest path, 1.1x the
-fp32 weight-read floor 64 tokens into a chunk and 1.3x at 512 (bench/RESULTS.md §27).
+loops, and float32 GEMVs packed as ``rows`` on the CPU): on a 2-core CPU it is the fastest path, 1.0x the
+fp32 weight-read floor 64 tokens into a chunk and 1.2x at 512 (bench/RESULTS.md §27).
 """
 
 from __future__ import annotations
