@@ -5,6 +5,7 @@
     python -m bench.decode_gpu --device cpu --preset megalodon_cpu_bench --compile --threads 1   # CPU: no graphs
     python -m bench.decode_gpu --gemv mv,cublas,triton  # the compiled graph with each one-row GEMV, side by side
     python -m bench.decode_gpu --prompt 3000 --kv-dtype bfloat16   # late in a chunk, keys / values in bf16
+    python -m bench.decode_gpu --gemv mv --compile-options '{"realize_opcount_threshold": 1}'   # + Inductor options
 
 Measured in one process, after one prompt (reference kernels, so no Triton compile) of ``--prompt`` tokens:
 
@@ -21,6 +22,9 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
 (``decode.StaticDecoder(..., row_gemv=)``, the values of ``decode.CUDA_ROW_GEMV``), beside the eager path,
 which gives the reference logits. "mm" (cuBLAS kept opaque) measured the same as "mv" in the second lease,
 its prologues no longer fused (GPU_RESULTS.md); "cublas" has that structure with cuBLAS's GEMV kernel.
+``--compile-options`` (a JSON dict of Inductor options): each GEMV's compiled graph also built with them,
+beside Inductor's defaults (``StaticDecoder(..., compile_options=)``; on the CPU ``realize_opcount_threshold``
+1 stopped the GEMV reductions recomputing their inputs' norms per output row, bench/RESULTS.md §27).
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made
@@ -31,6 +35,7 @@ eager path's for the same token and cache.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -129,11 +134,27 @@ def main(argv: list[str] | None = None) -> int:
         "by side, each as the CUDA graph of the compiled step (implies --compile; the eager path is kept as "
         "the logits reference, the other paths are left out)",
     )  # fmt: skip
+    ap.add_argument(
+        "--compile-options", default=None, metavar="JSON",
+        help='Inductor options, e.g. \'{"realize_opcount_threshold": 1}\': with --gemv, each variant is also '
+        "compiled with them, beside Inductor's defaults",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     variants = [v.strip() for v in args.gemv.split(",") if v.strip()] if args.gemv else []
+    option_sets = [{}]  # {}: Inductor's defaults
+    if args.compile_options is not None:
+        try:
+            extra = json.loads(args.compile_options)
+        except json.JSONDecodeError as err:
+            ap.error(f"--compile-options {args.compile_options!r}: not JSON ({err})")
+        if not isinstance(extra, dict) or not extra:
+            ap.error(f"--compile-options {args.compile_options!r}: expected a non-empty JSON object")
+        if not variants:
+            ap.error("--compile-options needs --gemv (the compiled graphs it is compared in)")
+        option_sets.append(extra)
     if variants:
         from mega_suite.models.megalodon.decode import CUDA_ROW_GEMVS
 
@@ -196,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         static = graphs = compiled_graphs = None
         per_gemv = {}
         for v in variants:
-            t_c = time.perf_counter()
-            dec = decode.StaticDecoder(model, cache, compile=True, row_gemv=v)
-            per_gemv[v] = (dec, dec.step(first).clone())  # captures the first bucket's graph
-            print(f"GEMV {v}: compiled and captured in {time.perf_counter() - t_c:.0f} s", flush=True)
+            for opts in option_sets:
+                label = f"GEMV {v}" + (f", options {json.dumps(opts)}" if opts else "")
+                t_c = time.perf_counter()
+                dec = decode.StaticDecoder(model, cache, compile=True, row_gemv=v, compile_options=opts)
+                per_gemv[label] = (dec, dec.step(first).clone())  # captures the first bucket's graph
+                print(f"{label}: compiled and captured in {time.perf_counter() - t_c:.0f} s", flush=True)
     else:
         static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
         graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         with torch.no_grad():
             want, _ = model(first.view(1, 1), cache)
-        got = {f"compiled graph, GEMV {v}": logits for v, (_, logits) in per_gemv.items()} if variants else {
+        got = {f"compiled graph, {v}": logits for v, (_, logits) in per_gemv.items()} if variants else {
             name: dec.step(first) for name, dec in (("graph", graphs), ("compiled graph", compiled_graphs)) if dec
         }  # fmt: skip
         for name, logits in got.items():
@@ -226,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if variants:
         for v, (dec, _) in per_gemv.items():
             label = "CUDA graph of the compiled step" if device.type == "cuda" else "compiled step"
-            paths.append((f"{label}, GEMV {v}", lambda dec=dec: dec.step(next(it))))
+            paths.append((f"{label}, {v}", lambda dec=dec: dec.step(next(it))))
     else:
         paths.append(("static, no graph", lambda: static.step(next(it))))
     if args.compile and not variants:

@@ -170,15 +170,23 @@ def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path):
     out = tmp_path / "decode.md"
     try:
         rc = decode_gpu.main(["--device", "cpu", "--preset", "megalodon_debug", "--gemv", "mv,triton", "--tokens",
-                              "2", "--prompt", "8", "--kv-dtype", "bfloat16", "--out", str(out)])  # fmt: skip
+                              "2", "--prompt", "8", "--kv-dtype", "bfloat16", "--out", str(out),
+                              "--compile-options", '{"realize_opcount_threshold": 1}'])  # fmt: skip
     finally:
         torch._dynamo.reset()
     assert rc == 0
     assert "cached keys and values bfloat16" in out.read_text()
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "ms/token" not in line]
+    opts = ', options {"realize_opcount_threshold": 1}'
     assert [r.split("|")[1].strip() for r in rows] == [
-        "eager (block_step)", "compiled step, GEMV mv", "compiled step, GEMV triton"
+        "eager (block_step)", "compiled step, GEMV mv", f"compiled step, GEMV mv{opts}",
+        "compiled step, GEMV triton", f"compiled step, GEMV triton{opts}",
     ]  # fmt: skip
+    for bad in ("{", "[1]", "{}"):
+        with pytest.raises(SystemExit):
+            decode_gpu.main(["--device", "cpu", "--gemv", "mv", "--compile-options", bad])
+    with pytest.raises(SystemExit):
+        decode_gpu.main(["--device", "cpu", "--compile-options", '{"a": 1}'])
 
 
 def test_head_precision_bench_runs_on_the_cpu(tmp_path):
