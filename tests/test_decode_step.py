@@ -479,6 +479,26 @@ def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dyn
         dec.step(tokens[:, 3])
 
 
+def test_a_decoder_on_its_own_packs_sees_a_parameter_replaced_before_a_prompt():
+    """A decoder whose plan is no longer the model's ("rows" packs, as the compiled CPU decoder's, beside the
+    eager step's "matmul" ones) is stale after a parameter is replaced by a new one and a prompt runs through
+    the model, as a decoder sharing the model's plan is (it stepped on the old weights: only the model's
+    plan re-listed the parameter objects after a full pass)."""
+    model = make_lm(chunk_size=8, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _, cache = model(tokens[:, :3], use_cache=True)
+        dec = decode.StaticDecoder(model, cache, gemv="rows")
+        dec.step(tokens[:, 3])
+        model(tokens[:, 3:4], cache)  # an eager step packs the model's own "matmul" plan
+        assert model.decode_plan() is not dec.plan
+        fc2 = model.layers[0].nffn.fc2
+        fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
+        model(tokens[:, :3], use_cache=True)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            dec.step(tokens[:, 4])
+
+
 def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fresh_dynamo):
     """Also under ``torch.inference_mode`` (buffers built there stay normal tensors, and the compiled step
     sees one global state: stepping outside inference mode afterwards neither fails nor recompiles)."""

@@ -224,6 +224,7 @@ class DecodePlan:
         self.params = list(model.parameters())
         self.key = self.current_key()
         self.params_checked = True
+        self.passes = model._full_passes  # the model's full passes at the last comparison
         self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
@@ -259,15 +260,17 @@ class DecodePlan:
         self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None
     ) -> bool:
         """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
-        replaced by a new one) is compared only when ``params_checked`` was cleared: at every call that
-        is not a single-token step (listing them costs more than the version check)."""
+        replaced by a new one) is compared only when ``params_checked`` was cleared (``StaticDecoder.load``)
+        or the model has run a full pass with a cache since the last comparison (``_full_passes``; listing
+        them costs more than the version check)."""
         if self.options != (dtype, kind, kv_dtype):
             return False
-        if not self.params_checked:
+        passes = model._full_passes
+        if not self.params_checked or self.passes != passes:
             current = list(model.parameters())
             if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params)):
                 return False
-            self.params_checked = True
+            self.params_checked, self.passes = True, passes
         return self.key == self.current_key()
 
 
