@@ -499,6 +499,39 @@ def test_a_decoder_on_its_own_packs_sees_a_parameter_replaced_before_a_prompt():
             dec.step(tokens[:, 4])
 
 
+def test_only_the_compiled_cpu_decoder_reads_rows_packs_and_the_cpu_options(monkeypatch):
+    """The packs and Inductor options each decoder is built with (torch.compile stopped at its call): compiled
+    on the CPU, "rows" and ``decode.CPU_COMPILE_OPTIONS`` unless ``gemv=`` / ``compile_options=`` say
+    otherwise (the bench's "baseline": "matmul" and Inductor's defaults); the eager ``StaticDecoder`` reads
+    the model's own "matmul" packs, and so does the compiled one off the CPU (a model on the meta device
+    stands in for CUDA here: compiled decoders are not tested on a GPU), with Inductor's defaults: "rows"
+    and the CPU options were measured on the CPU only."""
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def fake_compile(fn, **kw):  # fn: the decoder's step, bound to it
+        seen.append((kw, fn.__self__.plan.options[1]))
+        raise Stop
+
+    model = make_lm(chunk_size=8, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _, cache = model(tokens, use_cache=True)
+        assert decode.StaticDecoder(model, cache).plan.options[1] == "matmul"
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    for options in ({}, {"gemv": "matmul", "compile_options": {}}):
+        with pytest.raises(Stop):
+            decode.StaticDecoder(model, cache, compile=True, **options)
+    model.to("meta")
+    with pytest.raises(Stop):
+        decode.StaticDecoder(model, cache, compile=True)
+    cpu = {"fullgraph": True, "options": decode.CPU_COMPILE_OPTIONS}
+    assert seen == [(cpu, "rows"), ({"fullgraph": True}, "matmul"), ({"fullgraph": True}, "matmul")]
+
+
 def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fresh_dynamo):
     """Also under ``torch.inference_mode`` (buffers built there stay normal tensors, and the compiled step
     sees one global state: stepping outside inference mode afterwards neither fails nor recompiles)."""
