@@ -532,6 +532,20 @@ def test_only_the_compiled_cpu_decoder_reads_rows_packs_and_the_cpu_options(monk
     assert seen == [(cpu, "rows"), ({"fullgraph": True}, "matmul"), ({"fullgraph": True}, "matmul")]
 
 
+def test_compile_options_are_checked():
+    """``compile_options`` needs ``compile=True`` (it was ignored without) and is a dict of Inductor options
+    (a string failed inside torch.compile: 'str' object has no attribute 'items')."""
+    model = make_lm(chunk_size=8, num_heads=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _, cache = model(tokens, use_cache=True)
+    with pytest.raises(ValueError, match="compile_options needs compile=True"):
+        decode.StaticDecoder(model, cache, compile_options={"realize_opcount_threshold": 1})
+    for bad in ("realize_opcount_threshold=1", [("realize_opcount_threshold", 1)]):
+        with pytest.raises(ValueError, match="compile_options must be a dict of Inductor options"):
+            decode.StaticDecoder(model, cache, compile=True, compile_options=bad)
+
+
 def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fresh_dynamo):
     """Also under ``torch.inference_mode`` (buffers built there stay normal tensors, and the compiled step
     sees one global state: stepping outside inference mode afterwards neither fails nor recompiles)."""

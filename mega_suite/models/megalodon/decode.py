@@ -479,6 +479,10 @@ class StaticDecoder:
         compile_options: dict | None = None,
     ):  # fmt: skip
         self.row_gemv = None if row_gemv is None else _check_row_gemv(row_gemv)
+        if compile_options is not None and not compile:
+            raise ValueError(f"compile_options needs compile=True, got {compile_options!r} without it")
+        if compile_options is not None and not isinstance(compile_options, dict):
+            raise ValueError(f"compile_options must be a dict of Inductor options, got {compile_options!r}")
         if not model._can_step(cache):  # float64, sharded or adaptive models keep the full-pass path
             raise ValueError("StaticDecoder needs a float32, unsharded, non-adaptive MegalodonLM")
         self.model, self.options = model, model._decode_options
