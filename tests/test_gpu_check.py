@@ -160,12 +160,22 @@ def test_makefile_target_runs_the_module():
 
 
 @pytest.mark.slow
-def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path):
+def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path, monkeypatch):
     """``python -m bench.decode_gpu --gemv ...`` (the next GPU lease's A/B of the one-row GEMVs) runs end to
     end on the CPU, where every variant is torch.mv: its table has the eager path and one row per variant
-    (here with bf16 keys and values, ``--kv-dtype``)."""
+    (here with bf16 keys and values, ``--kv-dtype``), each compiled with Inductor's defaults and again with
+    ``--compile-options`` (which reach ``StaticDecoder``)."""
     from bench import decode_gpu
+    from mega_suite.models.megalodon import decode
 
+    built = []
+
+    class Recorded(decode.StaticDecoder):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "StaticDecoder", Recorded)
     torch._dynamo.reset()
     out = tmp_path / "decode.md"
     try:
@@ -181,6 +191,10 @@ def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path):
     assert [r.split("|")[1].strip() for r in rows] == [
         "eager (block_step)", "compiled step, GEMV mv", f"compiled step, GEMV mv{opts}",
         "compiled step, GEMV triton", f"compiled step, GEMV triton{opts}",
+    ]  # fmt: skip
+    assert [(kw["row_gemv"], kw.get("compile_options")) for kw in built if kw.get("compile")] == [
+        ("mv", {}), ("mv", {"realize_opcount_threshold": 1}), ("triton", {}),
+        ("triton", {"realize_opcount_threshold": 1}),
     ]  # fmt: skip
     for bad in ("{", "[1]", "{}"):
         with pytest.raises(SystemExit):
