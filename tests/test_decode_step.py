@@ -687,3 +687,23 @@ def test_the_decode_sweep_takes_turns_as_ordered(monkeypatch, capsys, order):
     # blocks: A x128, B x128, A x2, B x2; round-robin: a switch at every token
     assert switches == (3 if order == "blocks" else 259)
     assert ("every 128 tokens" in capsys.readouterr().out) == (order == "blocks")
+
+
+def test_the_decode_bench_baseline_paths_build_the_compiled_step_as_before(monkeypatch, capsys):
+    """``bench.decode``'s "... baseline" paths build the compiled step as it was before bench/RESULTS.md §27
+    (``gemv="matmul"``, Inductor's defaults: ``compile_options={}``), the others with ``StaticDecoder``'s
+    defaults (the decoders are built eager here: what each path asks for is the point)."""
+    from bench import decode as decode_bench
+
+    built = []
+
+    class Recorded(decode.StaticDecoder):
+        def __init__(self, model, cache, **kwargs):
+            built.append(kwargs)
+            super().__init__(model, cache)
+
+    monkeypatch.setattr(decode, "StaticDecoder", Recorded)
+    decode_bench.main(["--paths", "fp32 compiled,fp32 compiled baseline", "--prompt", "4", "--sweep", "2",
+                       "--threads", "1"])  # fmt: skip
+    assert built == [{"compile": True}, {"compile": True, "gemv": "matmul", "compile_options": {}}]
+    assert "fp32 compiled baseline" in capsys.readouterr().out
