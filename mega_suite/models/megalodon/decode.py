@@ -605,8 +605,9 @@ class StaticDecoder:
 
     def _compile(self, options: dict | None):
         """torch.compile of ``_step_rows``: Inductor fuses the elementwise ops of a block into a few C++ loops
-        (the CEMA and RoPE products are real arithmetic so that it can); on the CPU the GEMVs stay BLAS calls,
-        on CUDA Inductor fuses each with its prologue (norm, SiLU, casts) into a Triton reduction. Compiled
+        (the CEMA and RoPE products are real arithmetic so that it can); each ``torch.mv`` GEMV ("rows" packs,
+        bf16 and on the CPU float32 too) becomes a reduction fused with its prologue (norm, SiLU, casts): C++
+        on the CPU, Triton on CUDA; ``x @ Wᵀ`` ("matmul" packs, a batch) stays a BLAS call. Compiled
         here, on saved-and-restored state, with the attended length dynamic (at least 2: Dynamo specialises
         a length of 1, so offset 0 attends over two rows, the second masked), so that the decoding loop never
         recompiles: one graph, or two where the batched attention's reshapes specialise the full chunk

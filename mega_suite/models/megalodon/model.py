@@ -776,8 +776,8 @@ class MegalodonLM(Backbone):
     ) -> MegalodonLM:
         """Weights of the one-token path: ``dtype`` float32 (or ``None``), torch.bfloat16, or torch.int8
         (weight-only, per-row scales); ``gemv`` "matmul" (BLAS), "rows" (``torch.mv`` over W [O, I]: what
-        the compiled CPU ``StaticDecoder`` reads whichever is set here; slower eager) or "mkldnn" (oneDNN
-        with reordered weights, CPU).
+        the compiled CPU ``StaticDecoder`` reads where "matmul" is set here; slower eager) or "mkldnn"
+        (oneDNN with reordered weights, CPU).
         The path reads packed copies of the weights (``decode.DecodePlan``), never the parameters; they are
         rebuilt whenever a parameter changes. ``kv_dtype``: the dtype the unfinished chunk's keys and values
         are kept in while decoding, torch.bfloat16 (half the memory; at 1536 tokens into a chunk of
