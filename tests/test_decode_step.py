@@ -443,6 +443,21 @@ def test_the_compiled_cpu_step_is_compiled_with_the_cpu_options(monkeypatch, fre
     assert seen == [{"fullgraph": True, "options": {"realize_opcount_threshold": 1}}, {"fullgraph": True}]
 
 
+@pytest.mark.skipif("mkldnn" not in GEMVS, reason="needs oneDNN")
+def test_a_compiled_cpu_decoder_on_an_mkldnn_model_reads_rows_packs(fresh_dynamo):
+    """oneDNN's reordered weights do not compile (Inductor's lowering wants them as graph constants: the
+    compile failed); the compiled CPU decoder of an ``mkldnn`` model packs ``rows`` and gives the float64
+    pass's logits, while the eager path keeps oneDNN."""
+    model = make_lm(chunk_size=8, num_heads=1).to_decode_dtype(torch.float32, "mkldnn")
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(10))
+    want = float64_logits(copy.deepcopy(model), tokens)
+    got, dec = static_decode_logits(model, tokens, 3, compile=True)
+    assert dec.plan.options == (torch.float32, "rows", None)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
+    decode_logits(model, tokens, prompt=3)
+    assert model.decode_plan().blocks[0].gemv_m.kind == "mkldnn"
+
+
 def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dynamo):
     """Compiled on the CPU, a float32 "matmul" plan is packed as "rows" (W [O, I], one ``torch.mv`` per GEMV,
     which Inductor compiles into its own reductions: no BLAS ``addmm`` in the step, where the "matmul"

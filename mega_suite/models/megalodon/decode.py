@@ -466,8 +466,9 @@ class StaticDecoder:
     compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does). ``gemv``: the GEMV kind to pack for
-    (``GEMV_KINDS``); None: the model's, except that compiled on the CPU a ``matmul`` plan is packed as
-    ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction). ``compile_options``:
+    (``GEMV_KINDS``); None: the model's, except that compiled on the CPU a ``matmul`` or ``mkldnn`` plan is
+    packed as ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction; oneDNN's
+    reordered weights cannot be compiled: Inductor wants them as graph constants). ``compile_options``:
     Inductor's options for the compile (None: ``CPU_COMPILE_OPTIONS`` on the CPU, the defaults elsewhere).
     """
 
@@ -491,8 +492,10 @@ class StaticDecoder:
         check_decode_options(self.options[0], kind, device, self.options[2])
         # Compiled on the CPU, "matmul" packs are read as "rows" (W [O, I], torch.mv): Inductor compiles each
         # into a vectorised reduction fused with its prologue, 1.4x faster per float32 token than BLAS over
-        # the eager layout (bench/RESULTS.md §27). The model keeps the plan last asked for.
-        if gemv is None and compile and device.type == "cpu" and kind == "matmul":
+        # the eager layout (bench/RESULTS.md §27). "mkldnn" too: Inductor's lowering of oneDNN's linear needs
+        # the reordered weight as a graph constant, and the plan's is an input. The model keeps the plan last
+        # asked for.
+        if gemv is None and compile and device.type == "cpu" and kind in ("matmul", "mkldnn"):
             kind = "rows"
         self.plan = model.decode_plan(kind)
         self.graphs = device.type == "cuda" if graphs is None else graphs
