@@ -514,6 +514,47 @@ def test_a_decoder_on_its_own_packs_sees_a_parameter_replaced_before_a_prompt():
             dec.step(tokens[:, 4])
 
 
+def _replace_weights(model, other, how):
+    if how == "load_state_dict_assign":  # every parameter a new object
+        model.load_state_dict(copy.deepcopy(other).state_dict(), assign=True)
+    else:  # every block's FFN a new module
+        for layer, new in zip(model.layers, other.layers):
+            layer.nffn = copy.deepcopy(new.nffn)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "new_module"])
+def test_weights_replaced_between_two_steps_are_seen_without_a_full_pass(how):
+    """Parameters or modules replaced between two single-token steps, no full pass between them: the eager
+    steps after it equal those of a model given the same replacement and packs built afresh (they read the
+    new embedding beside the old packs), and a ``StaticDecoder`` is stale (it stepped on the old packs)."""
+    other = make_lm(seed=5)
+    tokens = torch.randint(0, other.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for fresh_packs in (False, True):
+        model = make_lm()
+        with torch.no_grad():
+            _, cache = model(tokens[:, :2], use_cache=True)
+            outs = []
+            for i in range(2, tokens.shape[1]):
+                if i == 5:
+                    _replace_weights(model, other, how)
+                    if fresh_packs:
+                        model._decode_plan = None
+                logits, cache = model(tokens[:, i : i + 1], cache)
+                outs.append(logits)
+        runs.append(torch.cat(outs, 1))
+    assert not torch.equal(runs[1][:, :3], runs[1][:, 3:6])  # the replacement changed the logits
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    model = make_lm()
+    with torch.no_grad():
+        _, cache = model(tokens[:, :3], use_cache=True)
+        dec = decode.StaticDecoder(model, cache)
+        dec.step(tokens[:, 3])
+        _replace_weights(model, other, how)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            dec.step(tokens[:, 4])
+
+
 def test_only_the_compiled_cpu_decoder_reads_rows_packs_and_the_cpu_options(monkeypatch):
     """The packs and Inductor options each decoder is built with (torch.compile stopped at its call): compiled
     on the CPU, "rows" and ``decode.CPU_COMPILE_OPTIONS`` unless ``gemv=`` / ``compile_options=`` say

@@ -215,6 +215,21 @@ class BlockPack:
         self.gemv_2 = Gemv(w2, None, dtype, kind)
 
 
+# Events after which a parameter object may have been replaced: a parameter or module registered in this
+# process (any module: global torch.nn hooks, since a replacement registers through the module that holds
+# it, not through the model, and needs no forward pass), and every full pass of a model with a cache
+# (``parameters_may_have_changed``). A decode plan re-lists its model's parameter objects when this moved.
+_CHANGES = [0]
+
+
+def parameters_may_have_changed(*_args) -> None:
+    _CHANGES[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(parameters_may_have_changed)
+torch.nn.modules.module.register_module_module_registration_hook(parameters_may_have_changed)
+
+
 class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
 
@@ -224,7 +239,7 @@ class DecodePlan:
         self.params = list(model.parameters())
         self.key = self.current_key()
         self.params_checked = True
-        self.passes = model._full_passes  # the model's full passes at the last comparison
+        self.changes = _CHANGES[0]  # at the last comparison of the parameter objects
         self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
@@ -259,18 +274,19 @@ class DecodePlan:
     def is_current(
         self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None
     ) -> bool:
-        """Whether the packs still hold the model's weights. The list of parameter objects (a parameter
-        replaced by a new one) is compared only when ``params_checked`` was cleared (``StaticDecoder.load``)
-        or the model has run a full pass with a cache since the last comparison (``_full_passes``; listing
-        them costs more than the version check)."""
+        """Whether the packs still hold the model's weights. The list of parameter objects (a parameter or a
+        module replaced by a new one: ``load_state_dict(assign=True)``, ``module.weight = Parameter(...)``)
+        is compared only when a parameter or module was registered anywhere, or a model ran a full pass,
+        since the last comparison (``_CHANGES``), or ``params_checked`` was cleared (``StaticDecoder.load``):
+        listing them costs more than the version check, at every token."""
         if self.options != (dtype, kind, kv_dtype):
             return False
-        passes = model._full_passes
-        if not self.params_checked or self.passes != passes:
+        changes = _CHANGES[0]
+        if not self.params_checked or self.changes != changes:
             current = list(model.parameters())
             if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params)):
                 return False
-            self.params_checked, self.passes = True, passes
+            self.params_checked, self.changes = True, changes
         return self.key == self.current_key()
 
 

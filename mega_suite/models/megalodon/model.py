@@ -691,7 +691,7 @@ class MegalodonLM(Backbone):
             cache = self.new_cache(tokens.shape[0])
         if tokens.shape[1] == 1 and self._can_step(cache):
             return self._step_token(tokens[:, 0], cache)
-        self._full_passes += 1  # every decode plan re-lists the parameter objects at its next check
+        decode.parameters_may_have_changed()  # every decode plan re-lists the parameter objects once
         outs = []
         for piece in self._pieces(tokens.shape[1], cache):
             out, cache = self._stream_piece(tokens[:, piece], cache)
@@ -766,9 +766,6 @@ class MegalodonLM(Backbone):
 
     _decode_options = (torch.float32, "matmul", None)
     _decode_plan = None
-    # Full passes with a cache so far: a decode plan compares the parameter objects (one replaced by a new
-    # one) when this moved since its last comparison -- every plan, also a StaticDecoder's own one
-    _full_passes = 0
 
     @torch.no_grad()
     def to_decode_dtype(
