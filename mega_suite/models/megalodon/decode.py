@@ -242,7 +242,7 @@ class DecodePlan:
         self.changes = _CHANGES[0]  # at the last comparison of the parameter objects
         self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
-        self.head = Gemv(head.weight.float(), None, torch.float32, kind if kind != "int8" else "matmul")
+        self.head = Gemv(head.weight.float(), None, torch.float32, kind)  # float32 logits, whatever the dtype
         fn = model.output.final_norm
         self.final_w1, self.final_b = 1 + fn.weight.float(), fn.bias.float()
         self.final_groups, self.final_eps = fn.num_groups, fn.eps
