@@ -238,7 +238,6 @@ class DecodePlan:
         self.kv_dtype = kv_dtype
         self.params = list(model.parameters())
         self.key = self.current_key()
-        self.params_checked = True
         self.changes = _CHANGES[0]  # at the last comparison of the parameter objects
         self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
@@ -277,16 +276,16 @@ class DecodePlan:
         """Whether the packs still hold the model's weights. The list of parameter objects (a parameter or a
         module replaced by a new one: ``load_state_dict(assign=True)``, ``module.weight = Parameter(...)``)
         is compared only when a parameter or module was registered anywhere, or a model ran a full pass,
-        since the last comparison (``_CHANGES``), or ``params_checked`` was cleared (``StaticDecoder.load``):
-        listing them costs more than the version check, at every token."""
+        since the last comparison (``_CHANGES``): listing them costs more than the version check, at every
+        token."""
         if self.options != (dtype, kind, kv_dtype):
             return False
         changes = _CHANGES[0]
-        if not self.params_checked or self.changes != changes:
+        if self.changes != changes:
             current = list(model.parameters())
             if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params)):
                 return False
-            self.params_checked, self.changes = True, changes
+            self.changes = changes
         return self.key == self.current_key()
 
 
@@ -575,7 +574,6 @@ class StaticDecoder:
                 f"this decoder keeps keys / values in {kdt}; the cache's differ (build a new one)"
             )
         self.position = cache.position
-        self.plan.params_checked = False  # the next step also compares the parameter objects (a replaced one)
         for (norm, cema, k_buf, v_buf), lc in zip(self.layers, cache.layers):
             for buf, t in zip(norm, lc.norm):
                 buf.copy_(t)
