@@ -12,6 +12,7 @@ nothing was compiled; ``test_every_block_is_compiled`` fails on that code.
 
 import copy
 import os
+import sys
 
 import pytest
 import test_model as tm
@@ -212,3 +213,49 @@ def test_a_block_on_the_triton_kernels_compiles_whole(kind, monkeypatch):
         block.zero_grad(set_to_none=True)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+
+def _record_host_data_tensors(monkeypatch) -> list[str]:
+    """``torch.tensor`` and ``torch.as_tensor`` wrapped to record where they are called from (a dispatch mode
+    would not see inside the kernels' custom ops, which run with the modes popped)."""
+    calls = []
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def wrapper(*args, _original=original, **kwargs):
+            frame = sys._getframe(1)
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("kernels_path", ["triton", "reference"])
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_a_block_step_makes_no_tensor_from_host_data(kind, kernels_path, monkeypatch):
+    """``trainer.compile_mode=reduce-overhead`` captures each block's forward and backward in a CUDA graph,
+    and a capture refuses a copy from host memory ("Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture"). A tensor made from Python numbers on the GPU (``torch.tensor([...], device=cuda)``) is such a
+    copy: the H100 lease of 2026-11-24 failed there, in the Triton CEMA's chunk powers q^T. Here on CPU
+    tensors: one block's training forward and backward, on the Triton kernels (interpreter) and on the
+    PyTorch references, make no tensor from host data."""
+    if kernels_path == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("needs the Triton interpreter or a GPU")
+        import kernels.cema
+        import kernels.dispatch
+        import kernels.timestep_norm
+
+        for module in (kernels.dispatch, kernels.cema, kernels.timestep_norm):
+            monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
+    module = make(kind, compile_=False)
+    block = module.model.compile_units()[0].train()
+    leaf = torch.randn(2, 16, 16).requires_grad_()
+    calls = _record_host_data_tensors(monkeypatch)
+    out, _ = block(leaf)
+    out.square().sum().backward()
+    monkeypatch.undo()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    assert calls == [], f"tensors made from host data in a block's step, at {calls}"

@@ -59,6 +59,12 @@ def _log(q: Tensor) -> Tensor:
     return torch.complex(0.5 * torch.log(re * re + im * im), torch.atan2(im, re))
 
 
+def _steps(count: int, device) -> Tensor:
+    """A float64 scalar tensor holding ``count``, filled on the device: ``torch.tensor(count, device=...)``
+    would copy from host memory, which a CUDA graph capture refuses (trainer.compile_mode=reduce-overhead)."""
+    return torch.full((), float(count), dtype=torch.float64, device=device)
+
+
 def _powers(log_q: Tensor, steps: Tensor, like: Tensor) -> Tensor:
     """exp(log_q * steps) in float64 (magnitude and phase as real tensors: complex exp is not vectorised on
     CPU, 10x slower), returned in the complex dtype of ``like``: |q|^s (cos sθ + i sin sθ), written out
@@ -132,7 +138,7 @@ def _final_state(x: Tensor, p: Tensor, q: Tensor, h0: Tensor | None) -> Tensor:
     h = (inner * q_at.unsqueeze(1)).sum(2) * p.unsqueeze(1)  # [D, B, N]
     h = h.permute(1, 0, 2)
     if h0 is not None:
-        h = h + _powers(log_q, torch.tensor(float(length), device=x.device), q) * h0
+        h = h + _powers(log_q, _steps(length, x.device), q) * h0
     return h
 
 
@@ -208,7 +214,7 @@ def _cema_chunked(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, h0: Tensor | N
     w = _powers(log_q.unsqueeze(1), (t - 1 - idx).view(1, t, 1), q) * p.unsqueeze(1)  # [D, T, N]
     xl = xc.transpose(1, 2)  # [D, B*A, T]
     local = _complex_bmm(xl, w).reshape(d, b, a, n)
-    decay = _powers(log_q, torch.tensor(float(t), device=x.device), q)  # q^T
+    decay = _powers(log_q, _steps(t, x.device), q)  # q^T
     h = h0.permute(1, 0, 2) if h0 is not None else torch.zeros_like(local[:, :, 0])
     starts = []
     for local_i in local.unbind(2):  # unbind, not local[:, :, i]: each select's backward zero-fills all

@@ -504,9 +504,12 @@ class _Coefs:
         """[8, D*N] float32: q^T, q^{T-1}, q^{T_last}, q^{T_last-1} as (real, imaginary) rows.
 
         exp(l log q) in float64 from the float32 q, then rounded once: in float32, the rounding of arg q
-        (~2e-7) would grow l-fold in the phase of q^l and dominate the error of long sequences."""
+        (~2e-7) would grow l-fold in the phase of q^l and dominate the error of long sequences. The exponents
+        l are made on the device (not ``torch.tensor([...], device=...)``, a copy from host memory, which a
+        CUDA graph capture refuses: trainer.compile_mode=reduce-overhead)."""
         t_last = length - (triton.cdiv(length, chunk) - 1) * chunk
-        ls = torch.tensor([chunk, chunk - 1, t_last, t_last - 1], dtype=torch.float64, device=self.qr.device)
+        minus = -torch.arange(2, dtype=torch.float64, device=self.qr.device)  # [0, -1]
+        ls = torch.cat([minus + chunk, minus + t_last])  # [T, T-1, T_last, T_last-1]
         pw = torch.exp(ls.view(4, 1, 1) * self._log_q)  # [4, D, N]
         return torch.stack([pw.real, pw.imag], 1).reshape(8, -1).to(torch.float32).contiguous()
 
