@@ -213,6 +213,7 @@ def _pytest(args: list[str], timeout: float) -> tuple[int, str]:
             "pytest",
             "-q",
             "-rfEs",
+            "--show-capture=no",  # a failure's captured logs (torch's DEBUG trace lines) buried its error
             "-p",
             "no:benchmark",
             "-p",
@@ -244,6 +245,9 @@ def stage_cuda_tests() -> Outcome:
     body = "`pytest " + " ".join(CUDA_TEST_FILES) + "` and `pytest -m gpu tests`:\n\n```\n"
     body += "\n".join(summary + cuda_skips) + "\n```\n"
     if not ok:
+        errors = [line for line in lines if line.startswith("E ")]
+        if errors:  # each failure's exception lines first: the tail below may be all warnings
+            body += "\nErrors:\n\n```\n" + "\n".join(errors)[-4000:] + "\n```\n"
         kept = [line for line in lines if "PytestBenchmarkWarning" not in line and "warner(" not in line]
         body += "\nOutput tail:\n\n```\n" + "\n".join(kept)[-5000:] + "\n```\n"
     return Outcome(ok, body, {"summary": summary})

@@ -83,6 +83,37 @@ def test_a_killed_command_returns_what_it_printed():
     assert rc == 124 and "step 1" in text and "killed after 2 s" in text
 
 
+def test_a_failing_cuda_test_shows_its_error_above_the_output_tail(monkeypatch):
+    """The lease of 2026-11-24 (evening) wrote 5,000 characters of torch's DEBUG trace lines as the output
+    tail of a failing GPU test, and its error was cut to "Run...". The exception lines now come first, and
+    pytest no longer prints a failure's captured logs."""
+    args_seen = []
+    failing = (
+        "F.\n___ test_reduce_overhead ___\n"
+        "E       RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture\n"
+        + "DEBUG    torch.__trace:utils.py:2126 \n" * 400
+        + "FAILED tests/test_compile.py::test_reduce_overhead - Run...\n1 failed, 7 passed in 69.10s\n"
+    )
+
+    def fake_pytest(args, timeout):
+        args_seen.append(args)
+        return (1, failing) if args[0] == "-m" else (0, "89 passed in 121.95s\n")
+
+    monkeypatch.setattr(gpu_check, "_pytest", fake_pytest)
+    outcome = gpu_check.stage_cuda_tests()
+    assert not outcome.ok
+    errors = outcome.body.split("Errors:")[1].split("Output tail:")[0]
+    assert "Cannot copy between CPU and CUDA tensors during CUDA graph capture" in errors
+    assert len(args_seen) == 2
+
+
+def test_the_gpu_tests_run_without_printing_captured_logs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout: seen.append(cmd) or (0, ""))
+    gpu_check._pytest(["-m", "gpu", "tests"], timeout=1)
+    assert "--show-capture=no" in seen[0]
+
+
 def test_listops_runs_beside_the_untimed_stages_and_the_timed_ones_run_after(tmp_path, monkeypatch):
     """The child process's report section lands in the parent's report, in stage order: untimed stages,
     listops, then the timed ones (which must not share the GPU with training)."""
