@@ -215,7 +215,6 @@ def test_a_block_on_the_triton_kernels_compiles_whole(kind, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-
 def _record_host_data_tensors(monkeypatch) -> list[str]:
     """``torch.tensor`` and ``torch.as_tensor`` wrapped to record where they are called from (a dispatch mode
     would not see inside the kernels' custom ops, which run with the modes popped)."""

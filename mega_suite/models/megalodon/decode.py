@@ -49,9 +49,15 @@ CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 ke
 # rather than inlined into the reduction that reads it (``realize_opcount_threshold``: 30 ops by default).
 # With the default, a GEMV's reduction recomputed its input -- the final TimestepNorm's, in float64 --
 # for every output row (the head's loop was scalar); with 1, 0.4-0.8 ms less per token at
-# ``megalodon_cpu_bench`` (float32 and bf16, 64-1536 tokens into a chunk, bench/RESULTS.md §27). GPUs keep
-# Inductor's defaults (not measured there).
+# ``megalodon_cpu_bench`` (float32 and bf16, 64-1536 tokens into a chunk, bench/RESULTS.md §27).
 CPU_COMPILE_OPTIONS = {"realize_opcount_threshold": 1}
+# The compiled CUDA step's defaults: the one-row GEMV (a value of ``CUDA_ROW_GEMV``) and Inductor's options.
+# H100, megalodon_7b, bf16 weights, the CUDA graph of the compiled step, ms per token (x the HBM copy floor)
+# side by side in one process (bench/GPU_RESULTS.md, third lease; one run each): "triton" with the option
+# 7.44 (1.50x), "cublas" 7.69 / 7.79 with it, "triton" alone 7.97; in another run "mv" 8.75, with the option
+# 8.12. The option helped "mv" and "triton" by 7% each, as on the CPU.
+CUDA_COMPILED_ROW_GEMV = "triton"
+CUDA_COMPILE_OPTIONS = {"realize_opcount_threshold": 1}
 
 
 def mkldnn_available(device: torch.device) -> bool:
@@ -66,9 +72,10 @@ def mkldnn_available(device: torch.device) -> bool:
 #   cuBLAS GEMV (read at ~2.5 TB/s in the uncompiled graph) and fuses only the ops around it;
 # - "triton": ``kernels.gemv``'s autotuned kernel (``mega_suite::row_gemv``), bias and residual in its
 #   epilogue.
-# "cublas" and "triton" are not yet measured on a GPU: bench/decode_gpu.py --gemv mv,cublas,triton times
-# them side by side. Read when a step is traced or captured (torch.compile guards on it); a StaticDecoder
-# built with ``row_gemv=`` sets it around its own compile, captures and steps (``cuda_row_gemv``).
+# Compiled and captured (bench/decode_gpu.py --gemv mv,cublas,triton), "triton" was the fastest: see
+# ``CUDA_COMPILED_ROW_GEMV``, what a compiled StaticDecoder uses unless told. Eager decoding keeps "mv" (the
+# others not measured eagerly). Read when a step is traced or captured (torch.compile guards on it); a
+# StaticDecoder sets its own choice around its own compile, captures and steps (``cuda_row_gemv``).
 CUDA_ROW_GEMV = "mv"
 CUDA_ROW_GEMVS = ("mv", "mm", "cublas", "triton")
 
@@ -91,6 +98,18 @@ def cuda_row_gemv(kind: str | None):
         yield
     finally:
         CUDA_ROW_GEMV = previous
+
+
+def compiled_step_defaults(device_type: str, row_gemv: str | None, options: dict | None):
+    """(one-row GEMV, Inductor options) of a compiled ``StaticDecoder`` on ``device_type`` where its
+    arguments leave them None: on CUDA ``CUDA_COMPILED_ROW_GEMV`` and ``CUDA_COMPILE_OPTIONS``, on the CPU
+    None (the module's ``CUDA_ROW_GEMV``, unused there) and ``CPU_COMPILE_OPTIONS``; Inductor's defaults
+    elsewhere (measured on neither)."""
+    if device_type == "cuda":
+        return row_gemv or CUDA_COMPILED_ROW_GEMV, CUDA_COMPILE_OPTIONS if options is None else options
+    if options is None:
+        options = CPU_COMPILE_OPTIONS if device_type == "cpu" else {}
+    return row_gemv, options
 
 
 def _row_gemv_kind(x: Tensor) -> str:
@@ -477,14 +496,16 @@ class StaticDecoder:
     sharing one memory pool; a step reads at most C/8 rows more than the eager one), to C/64 for the compiled
     CPU step with bf16 keys and values (64-row steps, so that their bf16 matmul repeats its shapes: ``attend``)
     and to C otherwise (exactly t + 1 rows). ``row_gemv``: the one-row bf16 GEMV on CUDA for this decoder (a
-    value of ``CUDA_ROW_GEMV``; None: the module's setting). ``compile``: the step through torch.compile,
+    value of ``CUDA_ROW_GEMV``; None: compiled on CUDA ``CUDA_COMPILED_ROW_GEMV``, else the module's setting).
+    ``compile``: the step through torch.compile,
     compiled in the constructor (see ``_compile``).
     The model's weights are read through its decode plan (``model.to_decode_dtype``); the plan must not change
     while a decoder lives (``step`` checks, as the eager path does). ``gemv``: the GEMV kind to pack for
     (``GEMV_KINDS``); None: the model's, except that compiled on the CPU a ``matmul`` or ``mkldnn`` plan is
     packed as ``rows`` (one ``torch.mv`` per GEMV, which Inductor turns into its own reduction; oneDNN's
     reordered weights cannot be compiled: Inductor wants them as graph constants). ``compile_options``:
-    Inductor's options for the compile (None: ``CPU_COMPILE_OPTIONS`` on the CPU, the defaults elsewhere).
+    Inductor's options for the compile (None: ``CPU_COMPILE_OPTIONS`` on the CPU, ``CUDA_COMPILE_OPTIONS`` on
+    CUDA; ``{}``: Inductor's defaults).
     """
 
     @torch.inference_mode(False)  # buffers are normal tensors, updatable in and out of inference
@@ -546,6 +567,9 @@ class StaticDecoder:
             if self.chunk < 2:
                 raise ValueError("compile=True needs chunk_size >= 2")
             self.ends = sorted({max(e, 2) for e in self.ends})
+            self.row_gemv, compile_options = compiled_step_defaults(
+                device.type, self.row_gemv, compile_options
+            )
             with cuda_row_gemv(self.row_gemv):
                 self._step = self._compile(compile_options)
         else:
@@ -632,15 +656,14 @@ class StaticDecoder:
         (a guard). After the warm-up, calls skip Dynamo's guard evaluation except what tells its graphs
         apart (``skip_guard_eval_unsafe``: 0.1 ms, 5% of a bf16 step on 2 cores). That is safe here
         because a graph reads only this decoder's own buffers, never replaced or reshaped, and the plan's
-        tensors, whose staleness ``step`` checks before every call. ``options``: Inductor's (None: on the CPU
-        ``CPU_COMPILE_OPTIONS``)."""
+        tensors, whose staleness ``step`` checks before every call. ``options``: Inductor's (None: the
+        device's, ``compiled_step_defaults``)."""
         # Dynamo keeps compiled graphs per code object: a copy of the step's code per decoder gives each
         # decoder its own cache (static weight shapes, one guard set to check, no shared recompile limit).
         fn = StaticDecoder._step_rows
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
         device = self.rows.device.type
-        if options is None:
-            options = CPU_COMPILE_OPTIONS if device == "cpu" else {}
+        options = compiled_step_defaults(device, None, options)[1]
         how = {"options": options} if options else {}
         compiled = torch.compile(types.MethodType(own, self), fullgraph=True, **how)
 
