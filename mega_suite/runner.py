@@ -213,6 +213,9 @@ def build_trainer(
     from lightning.pytorch.loggers import TensorBoardLogger
 
     t = cfg.trainer
+    # every run sets it (also back to "highest"): a process that runs several (tests, notebooks) keeps no
+    # earlier run's choice
+    torch.set_float32_matmul_precision(t.float32_matmul_precision)
     ckpt_dir = run_dir / "checkpoints"
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir,

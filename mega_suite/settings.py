@@ -103,6 +103,11 @@ class TrainerSection:
     # The CUDA-graph modes (CUDAGRAPH_MODES) are for training on one GPU per process without FSDP (no effect
     # on the CPU): refused with FSDP, gradient accumulation, activation checkpointing and outside mode=fit.
     compile_mode: str = "default"
+    # torch.set_float32_matmul_precision for the run: highest (full float32, the default) | high (TF32 on
+    # CUDA) | medium. The logits head is computed in float32 (SPEC §5) also under bf16-mixed: on an H100 its
+    # forward + backward at the 7B's 4096 tokens took 64.7 ms in float32 and 11.3 ms with TF32, an estimated
+    # 16% and 3% of a step (bench/GPU_RESULTS.md, head_precision); under 32-true every matmul is affected.
+    float32_matmul_precision: str = "highest"
     deterministic: bool = False
     progress_bar: bool = True
 
@@ -452,6 +457,7 @@ def _validate_mode(cfg: DictConfig) -> None:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that capture CUDA graphs
 
 # Inductor options of ``trainer.compile`` on the CPU (mode "default"): a buffer read by more than one kernel
@@ -497,6 +503,11 @@ def _validate_trainer(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.chunk_parallel != 1:
         _validate_chunk_parallel(cfg)
+    if t.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"trainer.float32_matmul_precision={t.float32_matmul_precision!r}; expected one of "
+            f"{', '.join(FLOAT32_MATMUL_PRECISIONS)} (high: TF32 matmuls on CUDA)"
+        )
     if t.compile_mode not in COMPILE_MODES:
         raise ConfigError(
             f"trainer.compile_mode={t.compile_mode!r}; expected one of {', '.join(COMPILE_MODES)}"
