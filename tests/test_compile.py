@@ -20,6 +20,7 @@ import torch
 
 from mega_suite.lightning import CausalLM, SequenceClassifier
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = dict(compile=True, compile_backend="aot_eager")
 OPTIM = dict(lr=1e-3)
 
@@ -215,31 +216,42 @@ def test_a_block_on_the_triton_kernels_compiles_whole(kind, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _record_host_data_tensors(monkeypatch) -> list[str]:
-    """``torch.tensor`` and ``torch.as_tensor`` wrapped to record where they are called from (a dispatch mode
-    would not see inside the kernels' custom ops, which run with the modes popped)."""
+def _record_host_transfers(monkeypatch) -> list[str]:
+    """Where the suite's own code (not torch's, not the Triton interpreter's) makes a tensor from host data
+    (``torch.tensor``, ``torch.as_tensor``) or reads a tensor's values on the host (``item``, ``tolist``,
+    ``cpu``, ``numpy``, ``bool()``): on CUDA the first is a host-to-device copy and the rest a device-to-host
+    sync, and a CUDA graph capture refuses both. Wrapped functions record their caller, since a dispatch mode
+    would not see inside the kernels' custom ops (they run with the modes popped)."""
     calls = []
-    for name in ("tensor", "as_tensor"):
-        original = getattr(torch, name)
 
-        def wrapper(*args, _original=original, **kwargs):
+    def wrap(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
             frame = sys._getframe(1)
-            calls.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
-            return _original(*args, **kwargs)
+            where = frame.f_code.co_filename
+            if where.startswith(ROOT) and "site-packages" not in where:
+                calls.append(f"{name} at {where[len(ROOT) :]}:{frame.f_lineno}")
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(torch, name, wrapper)
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in ("tensor", "as_tensor"):
+        wrap(torch, name)
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__"):
+        wrap(torch.Tensor, name)
     return calls
 
 
 @pytest.mark.parametrize("kernels_path", ["triton", "reference"])
 @pytest.mark.parametrize("kind", ["lm", "classifier"])
-def test_a_block_step_makes_no_tensor_from_host_data(kind, kernels_path, monkeypatch):
+def test_a_block_step_moves_no_data_between_host_and_device(kind, kernels_path, monkeypatch):
     """``trainer.compile_mode=reduce-overhead`` captures each block's forward and backward in a CUDA graph,
     and a capture refuses a copy from host memory ("Cannot copy between CPU and CUDA tensors during CUDA graph
     capture"). A tensor made from Python numbers on the GPU (``torch.tensor([...], device=cuda)``) is such a
-    copy: the H100 lease of 2026-11-24 failed there, in the Triton CEMA's chunk powers q^T. Here on CPU
-    tensors: one block's training forward and backward, on the Triton kernels (interpreter) and on the
-    PyTorch references, make no tensor from host data."""
+    copy: the H100 lease of 2026-11-24 failed there, in the Triton CEMA's chunk powers q^T. Reading a value
+    on the host (``.item()``, ``bool(t)``) is refused too. Here on CPU tensors: one block's training forward
+    and backward, on the Triton kernels (interpreter) and on the PyTorch references, do neither."""
     if kernels_path == "triton":
         if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
             pytest.skip("needs the Triton interpreter or a GPU")
@@ -252,9 +264,9 @@ def test_a_block_step_makes_no_tensor_from_host_data(kind, kernels_path, monkeyp
     module = make(kind, compile_=False)
     block = module.model.compile_units()[0].train()
     leaf = torch.randn(2, 16, 16).requires_grad_()
-    calls = _record_host_data_tensors(monkeypatch)
+    calls = _record_host_transfers(monkeypatch)
     out, _ = block(leaf)
     out.square().sum().backward()
     monkeypatch.undo()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
-    assert calls == [], f"tensors made from host data in a block's step, at {calls}"
+    assert calls == [], f"host data or host reads in a block's step: {calls}"
