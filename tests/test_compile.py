@@ -243,27 +243,35 @@ def _record_host_transfers(monkeypatch) -> list[str]:
     return calls
 
 
+CUDA_CASE = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_CASE])
 @pytest.mark.parametrize("kernels_path", ["triton", "reference"])
 @pytest.mark.parametrize("kind", ["lm", "classifier"])
-def test_a_block_step_moves_no_data_between_host_and_device(kind, kernels_path, monkeypatch):
+def test_a_block_step_moves_no_data_between_host_and_device(kind, kernels_path, device, monkeypatch):
     """``trainer.compile_mode=reduce-overhead`` captures each block's forward and backward in a CUDA graph,
     and a capture refuses a copy from host memory ("Cannot copy between CPU and CUDA tensors during CUDA graph
     capture"). A tensor made from Python numbers on the GPU (``torch.tensor([...], device=cuda)``) is such a
     copy: the H100 lease of 2026-11-24 failed there, in the Triton CEMA's chunk powers q^T. Reading a value
-    on the host (``.item()``, ``bool(t)``) is refused too. Here on CPU tensors: one block's training forward
-    and backward, on the Triton kernels (interpreter) and on the PyTorch references, do neither."""
-    if kernels_path == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-            pytest.skip("needs the Triton interpreter or a GPU")
-        import kernels.cema
-        import kernels.dispatch
-        import kernels.timestep_norm
+    on the host (``.item()``, ``bool(t)``) is refused too. One block's training forward and backward, on the
+    Triton kernels and on the PyTorch references, do neither: on CPU tensors (the Triton kernels under the
+    interpreter) and, marked ``gpu`` (run by gpu-check), on CUDA tensors."""
+    triton = kernels_path == "triton"
+    if triton and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter or a GPU")
+    import kernels.cema
+    import kernels.dispatch
+    import kernels.timestep_norm
 
-        for module in (kernels.dispatch, kernels.cema, kernels.timestep_norm):
-            monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
+    for module in (kernels.dispatch, kernels.cema, kernels.timestep_norm):
+        monkeypatch.setattr(module, "use_triton", lambda *tensors: triton)
     module = make(kind, compile_=False)
-    block = module.model.compile_units()[0].train()
-    leaf = torch.randn(2, 16, 16).requires_grad_()
+    block = module.model.compile_units()[0].train().to(device)
+    leaf = torch.randn(2, 16, 16, device=device).requires_grad_()
     calls = _record_host_transfers(monkeypatch)
     out, _ = block(leaf)
     out.square().sum().backward()
