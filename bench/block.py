@@ -5,7 +5,7 @@
     python -m bench.block --glibc-no-mmap      # full run, malloc keeps freed blocks (RESULTS.md)
     python -m bench.block --lengths 4K,8K --repeat 3
 
-Megalodon: ``mega_suite.models.megalodon.model.MegalodonBlock``, LM form, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16,
+Megalodon: ``mega_suite.models.megalodon.block.MegalodonBlock``, LM form, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16,
 h 1, chunk C = 4096, fp32, batch 1 (the ``megalodon_cpu_bench`` preset with C overridden).
 Llama: RMSNorm -> q/k/v/o projections of width D -> RoPE -> causal full attention through
 ``F.scaled_dot_product_attention(is_causal=True)`` -> RMSNorm -> SwiGLU FFN of the same width F.
@@ -120,7 +120,7 @@ def build_block(
     ffn_dim), by default the CPU-bench widths D 512, F 1024 with ``llama_heads`` heads."""
     if kind == "megalodon":
         from mega_suite import get_config
-        from mega_suite.models.megalodon.model import MegalodonBlock
+        from mega_suite.models.megalodon.block import MegalodonBlock
 
         return MegalodonBlock(get_config(preset, chunk_size=chunk_size))
     return LlamaBlock(**(llama or dict(dim=512, heads=llama_heads, ffn_dim=1024)))

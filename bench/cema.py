@@ -51,7 +51,7 @@ DIM, NDIM, GROUPS = 512, 16, 64
 
 
 def make_cema_module(dtype: torch.dtype = torch.float32):
-    from mega_suite.models.megalodon.model import ComplexEMA
+    from mega_suite.models.megalodon.layers import ComplexEMA
 
     torch.manual_seed(0)
     return ComplexEMA(DIM, NDIM).to(dtype)

@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, port: int, mode: str, total: int, steps: int,
         slice_batch,
     )
     from mega_suite.models.megalodon.config import MegalodonConfig
-    from mega_suite.models.megalodon.model import MegalodonLM
+    from mega_suite.models.megalodon.lm import MegalodonLM
 
     torch.manual_seed(0)
     model = MegalodonLM(MegalodonConfig(**MODEL))

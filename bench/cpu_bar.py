@@ -19,7 +19,7 @@ and optimizer were built (see ``bench/common.py``).
 beside fp32, with its share of the bf16 matmul peak (this CPU has AVX512-BF16).
 
 Decode: a prompt through the streaming cache, then one token at a time (greedy) through
-``model(token, cache)``; median wall time per token.
+``decode.Decoder(model)(token, cache)``; median wall time per token.
 
 Baseline: the public pure-PyTorch port's published CPU figures (constants below), next to our targets.
 Achieved GFLOP/s counts model matmul FLOPs analytically (see ``training_flops``) against the fp32 peak of
@@ -155,19 +155,22 @@ def bench_train(
 
 def bench_decode(prompt_len: int, new_tokens: int) -> Measurement:
     """In a fresh process: prompt through the cache, then ``new_tokens`` greedy steps of one token."""
+    from mega_suite.models.megalodon.decode import Decoder
+
     model = build_model(False).eval()
+    decoder = Decoder(model)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_len))
     baseline = rss_bytes()
     reset_peak_rss()
     times = []
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits, cache = model(prompt, use_cache=True)
+        logits, cache = decoder(prompt)
         prefill = time.perf_counter() - t0
         token = logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
             t0 = time.perf_counter()
-            logits, cache = model(token, cache)
+            logits, cache = decoder(token, cache)
             token = logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
     return Measurement(
@@ -185,7 +188,8 @@ def profile_step(length: int, checkpointing: bool, top: int) -> None:
     """Where the time of one training step goes: torch.profiler self CPU time by op, and by component."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import mega_suite.models.megalodon.model as mm
+    import mega_suite.models.megalodon.attention as mm  # the attention layer's namespace: rope, chunk_attention
+    from mega_suite.models.megalodon.block import NormalizedFFN
 
     model = build_model(checkpointing).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -198,7 +202,7 @@ def profile_step(length: int, checkpointing: bool, top: int) -> None:
         module.register_forward_hook(lambda *_: ctx.pop("r").__exit__(None, None, None))
 
     for mod in model.modules():
-        if isinstance(mod, mm.TimestepNorm | mm.ComplexEMA | mm.NormalizedFFN | mm.RMSNorm):
+        if isinstance(mod, mm.TimestepNorm | mm.ComplexEMA | NormalizedFFN | mm.RMSNorm):
             hook_range(mod, f"fwd {type(mod).__name__}")
     hook_range(model.output.output, "fwd output projection")
     for fname in ("rope", "chunk_attention"):

@@ -14,16 +14,14 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
 - floors: one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix holding as many weights as the model
   (``bench.common.weight_read_floor``'s matrix), row-major (``mv``) and column-major (``mv Wᵀ``: the same
   bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
-- ``segment``: the full-pass kernels on one token (``MegalodonLM._can_step`` off);
-- the one-token path (``decode.block_step``) with float32 / bfloat16 / int8 weight-only packs and the
-  ``matmul`` or ``mkldnn`` GEMV (``model.to_decode_dtype(dtype, gemv)``);
-- ``compiled``: the same packs through ``decode.StaticDecoder(model, cache, compile=True)`` (fixed buffers,
-  one Inductor graph per step, compiled once before the rounds; "matmul" packed as "rows", W [O, I], whose
-  ``torch.mv`` Inductor compiles into its own reductions, with ``decode.CPU_COMPILE_OPTIONS``); ``baseline``:
-  the compiled step as it was before bench/RESULTS.md §27, side by side: the "matmul" packs (BLAS for
-  float32 GEMVs and the head) and Inductor's default options (``gemv="matmul", compile_options={}``);
-  ``bf16-kv``: the chunk's keys and values kept in bf16 (``to_decode_dtype(..., kv_dtype=torch.bfloat16)``),
-  half the bytes a token reads there.
+- ``segment``: the model's streaming pass on one token (no packed step);
+- the one-token path (``decode.Decoder``) with float32 / bfloat16 / int8 weight-only packs and the
+  ``matmul`` or ``mkldnn`` GEMV (``decode.Decoder(model, dtype, gemv)``);
+- ``compiled``: the same packs through ``decode.StaticDecoder(decoder, cache, compile=True)`` (fixed
+  buffers, one Inductor graph per step, compiled once before the rounds; "matmul" packed as "rows", W [O, I],
+  whose ``torch.mv`` Inductor compiles into its own reductions, with ``decode.CPU_COMPILE_OPTIONS``);
+  ``bf16-kv``: the chunk's keys and values kept in bf16 (``Decoder(..., kv_dtype=torch.bfloat16)``), half
+  the bytes a token reads there.
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
@@ -55,52 +53,38 @@ PATHS = [  # name, decode weight dtype, GEMV kind, compiled (``decode.StaticDeco
     ("bf16 mkldnn", torch.bfloat16, "mkldnn", False, None),
     ("int8", torch.int8, "matmul", False, None),
     ("fp32 compiled", torch.float32, "matmul", True, None),
-    ("fp32 compiled baseline", torch.float32, "matmul", True, None),
     ("bf16 compiled", torch.bfloat16, "matmul", True, None),
     ("bf16 compiled bf16-kv", torch.bfloat16, "matmul", True, torch.bfloat16),
-    ("bf16 compiled bf16-kv baseline", torch.bfloat16, "matmul", True, torch.bfloat16),
     ("int8 compiled", torch.int8, "matmul", True, None),
 ]
 
 
 class Stream:
-    """One model copy decoding greedily from its own cache; ``next()`` times one token."""
+    """One model copy decoding greedily from its own cache through ``step`` (a ``decode.Decoder``, or the
+    model itself for the segment path); ``next()`` times one token."""
 
-    def __init__(self, model, prompt, segment: bool = False):
-        self.model, self.prompt, self.segment = model, prompt, segment
+    def __init__(self, step, prompt):
+        self.step, self.prompt = step, prompt
         self.restart()
 
     def restart(self) -> None:
         with torch.inference_mode():
-            logits, self.cache = self.model(self.prompt, use_cache=True)
+            logits, self.cache = self.step(self.prompt, None)
         self.token = logits[:, -1:].argmax(-1)
 
     def next(self) -> float:
-        from mega_suite.models.megalodon.model import MegalodonLM
-
-        can_step = MegalodonLM._can_step
-        if self.segment:
-            MegalodonLM._can_step = lambda self, cache: False
-        try:
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                logits, self.cache = self.model(self.token, self.cache)
-                self.token = logits[:, -1:].argmax(-1)
-                return time.perf_counter() - t0
-        finally:
-            MegalodonLM._can_step = can_step
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            logits, self.cache = self.step(self.token, self.cache)
+            self.token = logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
 
 
 class CompiledStream(Stream):
-    """The same greedy stream through ``decode.StaticDecoder(model, cache, compile=True)``: compiled once
+    """The same greedy stream through ``decode.StaticDecoder(decoder, cache, compile=True)``: compiled once
     (at the first ``restart``), then loaded with each round's prompt cache."""
 
     decoder = None
-
-    def __init__(self, model, prompt, baseline: bool = False):
-        # StaticDecoder's defaults ("matmul" packed as "rows", CPU_COMPILE_OPTIONS), or the step before §27
-        self.options = dict(gemv="matmul", compile_options={}) if baseline else {}
-        super().__init__(model, prompt)
 
     def restart(self) -> None:
         from mega_suite.models.megalodon import decode
@@ -108,7 +92,7 @@ class CompiledStream(Stream):
         super().restart()
         if self.decoder is None:
             t0 = time.perf_counter()
-            self.decoder = decode.StaticDecoder(self.model, self.cache, compile=True, **self.options)
+            self.decoder = decode.StaticDecoder(self.step, self.cache, compile=True)
             print(f"  torch.compile of the static step: {time.perf_counter() - t0:.0f} s", flush=True)
         else:
             self.decoder.load(self.cache)
@@ -246,15 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.paths is not None and cannot:
         sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable, or --no-compile given)")
     paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and p[0] in chosen]
-    streams = {"segment": Stream(base, prompt, segment=True)} if "segment" in chosen else {}
+    segment = lambda tokens, cache: base(tokens, cache, use_cache=True)  # noqa: E731  (the model's own pass)
+    streams = {"segment": Stream(segment, prompt)} if "segment" in chosen else {}
     for name, dtype, gemv, compiled, kv_dtype in paths:
         if compiled and args.no_compile:
             continue
-        model = copy.deepcopy(base).to_decode_dtype(dtype, gemv, kv_dtype)
-        if compiled:
-            streams[name] = CompiledStream(model, prompt, baseline=name.endswith(" baseline"))
-        else:
-            streams[name] = Stream(model, prompt)
+        decoder = decode.Decoder(copy.deepcopy(base), dtype, gemv, kv_dtype)
+        streams[name] = (CompiledStream if compiled else Stream)(decoder, prompt)
     if args.sweep:
         sweep(streams, args)
         return

@@ -12,7 +12,7 @@ Measured in one process, after one prompt (reference kernels, so no Triton compi
 - floors: the packed decode weights' bytes (bf16 packs, float32 head) over (a) the device-to-device copy
   bandwidth (bytes read + written over time, a 2 GiB copy) and (b) the bandwidth of one bf16 GEMV
   ``torch.mv`` over a [n, 4096] matrix of min(weights, 4 GiB) (scaled to the weights' bytes);
-- ``eager``: ``model(token, cache)``, the one-token path of ``decode.block_step`` (host launches every op);
+- ``eager``: ``decoder(token, cache)``, the one-token path of ``decode.block_step`` (host launches every op);
 - ``static``: ``decode.StaticDecoder`` without graphs (fixed buffers, masked bucketed attention);
 - ``static, torch.compile`` (``--compile``): the same step compiled by Inductor (fused elementwise ops);
 - ``graph``: ``decode.StaticDecoder`` replaying one CUDA graph per token (CUDA only); with ``--compile`` also
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=["bfloat16", "float32", "int8"], default="bfloat16")
     ap.add_argument(
         "--kv-dtype", choices=["as-computed", "float32", "bfloat16"], default="as-computed",
-        help="the chunk's cached keys / values while decoding (to_decode_dtype's kv_dtype; as-computed: "
+        help="the chunk's cached keys / values while decoding (decode.Decoder's kv_dtype; as-computed: "
         "float32 after this float32 prompt); they are read every token, beside the weights",
     )  # fmt: skip
     ap.add_argument(
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = create_model(args.preset, device=device, **overrides).eval()
     kv_dtype = None if args.kv_dtype == "as-computed" else getattr(torch, args.kv_dtype)
-    model.to_decode_dtype(getattr(torch, args.weights), kv_dtype=kv_dtype)
+    decoder = decode.Decoder(model, getattr(torch, args.weights), kv_dtype=kv_dtype)
     n_params = count_parameters(model)
     g = torch.Generator().manual_seed(1)
     vocab = model.cfg.vocab_size
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = torch.randint(0, vocab, (5 * args.tokens + 30,), generator=g).to(device)
     dispatch.force_reference(True)  # the prompt pass: PyTorch kernels, no Triton autotune compile
     with torch.no_grad():
-        _, cache = model(prompt, use_cache=True)
-        plan = model.decode_plan()
+        _, cache = decoder(prompt)
+        plan = decoder.plan()
     dispatch.force_reference(None)
     nbytes = plan_bytes(plan)
     cfg = model.cfg  # keys and values of the unfinished chunk, read by every decoded token
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     def eager_step():
         nonlocal cache
         with torch.no_grad():
-            logits, cache = model(next(it).view(1, 1), cache)
+            logits, cache = decoder(next(it).view(1, 1), cache)
         return logits
 
     first = steps[:1]
@@ -220,21 +220,21 @@ def main(argv: list[str] | None = None) -> int:
             for opts in option_sets:
                 label = f"GEMV {v}" + (f", options {json.dumps(opts)}" if opts else "")
                 t_c = time.perf_counter()
-                dec = decode.StaticDecoder(model, cache, compile=True, row_gemv=v, compile_options=opts)
+                dec = decode.StaticDecoder(decoder, cache, compile=True, row_gemv=v, compile_options=opts)
                 per_gemv[label] = (dec, dec.step(first).clone())  # captures the first bucket's graph
                 print(f"{label}: compiled and captured in {time.perf_counter() - t_c:.0f} s", flush=True)
     else:
-        static = decode.StaticDecoder(model, cache, buckets=8, graphs=False)  # the graph path's buckets
-        graphs = decode.StaticDecoder(model, cache) if device.type == "cuda" else None
+        static = decode.StaticDecoder(decoder, cache, buckets=8, graphs=False)  # the graph path's buckets
+        graphs = decode.StaticDecoder(decoder, cache) if device.type == "cuda" else None
         # CUDA and --compile: Inductor's fused kernels, captured (fewer kernels per graph)
         compiled_graphs = (
-            decode.StaticDecoder(model, cache, compile=True) if graphs and args.compile else None
+            decode.StaticDecoder(decoder, cache, compile=True) if graphs and args.compile else None
         )
     # Same token, same state: each graph's logits against the eager path's (before any path advances).
     check = ""
     if device.type == "cuda":
         with torch.no_grad():
-            want, _ = model(first.view(1, 1), cache)
+            want, _ = decoder(first.view(1, 1), cache)
         got = {f"compiled graph, {v}": logits for v, (_, logits) in per_gemv.items()} if variants else {
             name: dec.step(first) for name, dec in (("graph", graphs), ("compiled graph", compiled_graphs)) if dec
         }  # fmt: skip
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and not variants:
         # one Inductor graph, the attended length dynamic, compiled in the constructor
         t_c = time.perf_counter()
-        compiled = decode.StaticDecoder(model, cache, graphs=False, compile=True)
+        compiled = decode.StaticDecoder(decoder, cache, graphs=False, compile=True)
         print(f"torch.compile of the static step: {time.perf_counter() - t_c:.0f} s", flush=True)
         paths.append(("static, torch.compile", lambda: compiled.step(next(it))))
     if graphs is not None:
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = time_ms(fn, device, args.tokens)
         kernels, launches, prof = count_launches(fn, device)
         if args.profile and prof is not None:
-            from bench.gpu_profile import kernel_rows
+            from bench.diagnostics.gpu_profile import kernel_rows
 
             krows, total, _ = kernel_rows(prof, args.profile)
             profiles += f"\n### {name}: {total:.2f} ms of kernels per token\n\n"

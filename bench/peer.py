@@ -174,7 +174,10 @@ class Side:
         ours = create_model(PRESET)
         self.which, self.vocab = which, ours.cfg.vocab_size
         if which == "ours":
+            from mega_suite.models.megalodon.decode import Decoder
+
             self.model, self.note = ours, ""
+            self.decoder = Decoder(ours)  # the one-token path for single-token streaming calls
             return
         self.note = _install_transformers_standin()
         sys.path.insert(0, str(peer_source(peer)))
@@ -193,7 +196,7 @@ class Side:
     def stream(self, tokens, cache):
         """(logits [B, L, V], cache) continuing ``cache`` (None: a new stream)."""
         if self.which == "ours":
-            return self.model(tokens, cache, use_cache=True)
+            return self.decoder(tokens, cache)
         out = self.model(tokens, past_key_values=cache, use_cache=True)
         return out.logits, out.past_key_values
 
@@ -249,7 +252,7 @@ def bench_stream(which: str, peer: str | None, prompt_len: int, new_tokens: int)
 
         with torch.no_grad():
             logits, cache = side.stream(prompt, None)
-            dec = decode.StaticDecoder(side.model, cache, compile=True)
+            dec = decode.StaticDecoder(side.decoder, cache, compile=True)
             token, compiled = logits[:, -1].argmax(-1), []
             for _ in range(new_tokens):
                 t0 = time.perf_counter()

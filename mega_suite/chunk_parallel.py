@@ -376,7 +376,7 @@ def _h0_term(c: Tensor, log_q: Tensor, length: int) -> Tensor:
 
 def attach(model: nn.Module, cp: ChunkParallelContext | None) -> list[nn.Module]:
     """Set (or clear, with None) the chunk-parallel hook of every causal TimestepNorm and CEMA in ``model``."""
-    from mega_suite.models.megalodon.model import ComplexEMA, TimestepNorm
+    from mega_suite.models.megalodon.layers import ComplexEMA, TimestepNorm
 
     modules = [
         m

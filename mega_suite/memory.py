@@ -1,4 +1,4 @@
-"""What autograd stores for backward, found by walking the graph (torch only: ``bench/saved_bytes.py`` loads
+"""What autograd stores for backward, found by walking the graph (torch only: ``bench/diagnostics/saved_bytes.py`` loads
 this file by path, so that it can measure an older checkout's model with it).
 
 ``malloc_live_bytes`` is the check from the other side: what the process's allocator has handed out, so a

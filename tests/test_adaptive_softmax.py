@@ -14,7 +14,7 @@ from oracles import adaptive_embed, adaptive_log_prob, megalodon_lm
 from test_train_mode import TIGHT, MaskRecorder, compare_with_grads, train_config
 
 from mega_suite import MegalodonLM
-from mega_suite.models.megalodon.model import AdaptiveSoftmax
+from mega_suite.models.megalodon.lm import AdaptiveSoftmax
 
 D, V, CUTOFFS, FACTOR = 32, 25, [6, 14], 4.0  # band widths 32, 8, 2 (as WikiText-103's 1024, 256, 64)
 

@@ -199,7 +199,7 @@ def test_blocked_causal_function(dtype):
 )  # fmt: skip
 def test_causal_unequal_widths_take_the_measured_path(dtype, c, dk, dv, path, monkeypatch):
     """Causal, unpadded, dk != dv on the CPU: ``_BlockedCausal`` or Q/K padded for the flash kernel as
-    ``_prefer_blocked`` decides from measured shapes (bench/attention_cpu.py); either way the output and the
+    ``_prefer_blocked`` decides from measured shapes (bench/diagnostics/attention_cpu.py); either way the output and the
     gradients equal the float64 oracle to the inputs' rounding (float32 / bf16)."""
     from kernels.attention import reference
 

@@ -21,7 +21,7 @@ from mega_suite.chunk_parallel import (
     slice_norm_stats,
 )
 from mega_suite.models.megalodon.config import MegalodonConfig
-from mega_suite.models.megalodon.model import MegalodonLM
+from mega_suite.models.megalodon.lm import MegalodonLM
 
 CFG = dict(
     num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=24, swiglu=True,

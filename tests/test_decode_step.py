@@ -1,4 +1,4 @@
-"""The one-token decode path (``MegalodonLM._step_token`` / ``MegalodonBlock.step`` / ``decode.block_step``):
+"""The one-token decode path (``decode.Decoder`` / ``decode.block_step``):
 float32 decode logits equal the float64 full pass to float32 rounding, with packed and folded weights, both
 GEMV kernels, across chunk boundaries, with several heads, layer scale and the plain SiLU FFN; the
 windowed-statistics mode agrees with the segment path; bf16 and int8 decode weights stay within their
@@ -10,9 +10,11 @@ import pytest
 import test_model as tm
 import torch
 
+import mega_suite.models.megalodon.decode.decoder as decoder_module
+import mega_suite.models.megalodon.decode.pack as pack_module
+from kernels.attention import attention_step
 from mega_suite import MegalodonLM
 from mega_suite.models.megalodon import decode
-from mega_suite.models.megalodon.model import MegalodonBlock
 
 GEMVS = ["matmul", "rows"] + (["mkldnn"] if decode.mkldnn_available(torch.device("cpu")) else [])
 
@@ -23,14 +25,15 @@ def make_lm(seed=0, **overrides):
     return tm.randomise(MegalodonLM(cfg), seed=seed).eval()
 
 
-def decode_logits(model, tokens, prompt, window_stats=False):
-    """Prompt in one call, then one token per call; returns the logits of every position [B, L, V]."""
+def decode_logits(dec, tokens, prompt, window_stats=False):
+    """Prompt in one call, then one token per call through ``dec`` (a ``decode.Decoder``); returns the logits
+    of every position [B, L, V]."""
     with torch.no_grad():
-        cache = model.new_cache(tokens.shape[0], window_stats)
-        logits, cache = model(tokens[:, :prompt], cache)
+        cache = dec.model.new_cache(tokens.shape[0], window_stats)
+        logits, cache = dec(tokens[:, :prompt], cache)
         outs = [logits]
         for i in range(prompt, tokens.shape[1]):
-            logits, cache = model(tokens[:, i : i + 1], cache)
+            logits, cache = dec(tokens[:, i : i + 1], cache)
             outs.append(logits)
     return torch.cat(outs, 1)
 
@@ -42,8 +45,8 @@ def float64_logits(model, tokens):
 
 def count_steps(monkeypatch):
     calls = []
-    step = MegalodonBlock.step
-    monkeypatch.setattr(MegalodonBlock, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    step = decoder_module.block_step
+    monkeypatch.setattr(decoder_module, "block_step", lambda *a: calls.append(1) or step(*a))
     return calls
 
 
@@ -53,10 +56,11 @@ def count_steps(monkeypatch):
     + [("matmul", 1, {"layer_scale": True}), ("matmul", 2, {"swiglu": False, "num_heads": 1})],
 )
 def test_fp32_decode_equals_float64_full_pass(gemv, prompt, overrides, monkeypatch):
-    model = make_lm(**overrides).to_decode_dtype(torch.float32, gemv)
+    model = make_lm(**overrides)
+    dec = decode.Decoder(model, torch.float32, gemv)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 15), generator=torch.Generator().manual_seed(1))
     calls = count_steps(monkeypatch)
-    got = decode_logits(model, tokens, prompt)  # single tokens over offsets 3, 0..3, 0..3, 0..2
+    got = decode_logits(dec, tokens, prompt)  # single tokens over offsets 3, 0..3, 0..3, 0..2
     steps = tokens.shape[1] - prompt + (prompt == 1)  # a 1-token prompt on a fresh cache steps too
     assert len(calls) == steps * model.cfg.num_layers  # the one-token path ran
     want = float64_logits(model, tokens)
@@ -66,9 +70,9 @@ def test_fp32_decode_equals_float64_full_pass(gemv, prompt, overrides, monkeypat
 def test_window_stats_decode_equals_segment_path(monkeypatch):
     model = make_lm(chunk_size=2)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 22), generator=torch.Generator().manual_seed(2))
-    fast = decode_logits(model, tokens, prompt=1, window_stats=True)  # crosses 8 chunks: windowing on
-    monkeypatch.setattr(MegalodonLM, "_can_step", lambda self, cache: False)
-    slow = decode_logits(model, tokens, prompt=1, window_stats=True)
+    fast = decode_logits(decode.Decoder(model), tokens, prompt=1, window_stats=True)  # crosses 8 chunks
+    monkeypatch.setattr(decode.Decoder, "can_step", lambda self: False)
+    slow = decode_logits(decode.Decoder(model), tokens, prompt=1, window_stats=True)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
@@ -83,30 +87,31 @@ def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol, b
     and float32 again is exact."""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(3))
-    ref = decode_logits(model, tokens, prompt=2)
+    dec = decode.Decoder(model)
+    ref = decode_logits(dec, tokens, prompt=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    got = decode_logits(model.to_decode_dtype(dtype, gemv), tokens, prompt=2)
-    assert model.decode_plan().blocks[0].gemv_m.dtype == dtype
+    got = decode_logits(dec.set_weights(dtype, gemv), tokens, prompt=2)
+    assert dec.plan().blocks[0].gemv_m.dtype == dtype
     assert got.dtype == torch.float32
     assert (got[:, 2:] - ref[:, 2:]).abs().max() > 1e-4  # the low-precision weights were used
     want = float64_logits(model, tokens).float()
     model.float()
     torch.testing.assert_close(got, want, rtol=0, atol=tol * want.abs().max().item())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    model.to_decode_dtype(None)
-    torch.testing.assert_close(decode_logits(model, tokens, prompt=2), ref, rtol=0, atol=0)
+    dec.set_weights(None)
+    torch.testing.assert_close(decode_logits(dec, tokens, prompt=2), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bf16_keys_and_values_attend_in_float32(compiled, fresh_dynamo):
-    """``decode.attend`` over bf16 keys / values (a ``kv_dtype`` of bf16, or a prompt's cache computed under
+    """``attention_step`` over bf16 keys / values (a ``kv_dtype`` of bf16, or a prompt's cache computed under
     autocast) against softmax(q kᵀ) v written out in float64 on the same bf16-rounded keys and values, for
     the 2-D GEMV branch (one row, one head) and the batched one, with and without the mask. Eager (cast,
     float32 BLAS) and compiled batched (float32 reductions): equal to float32 rounding. Compiled, one row
     and one head (float32 scores, the product with v in bf16: the probabilities and the result rounded to
     bf16): equal to the oracle with both rounded so, but for a rounding step, and within 2⁻⁷ of the exact
     one. A bf16 product for the scores would round q and the scores (about 1e-2)."""
-    attend = torch.compile(decode.attend, fullgraph=True, dynamic=True) if compiled else decode.attend
+    attend = torch.compile(attention_step, fullgraph=True, dynamic=True) if compiled else attention_step
     gen = torch.Generator().manual_seed(11)
     for bsz, h in ((1, 1), (2, 2)):
         n, zd, ev = 7, 8, 6
@@ -151,32 +156,33 @@ def bf16_matmuls(fn) -> list[str]:
 
 
 def test_bf16_kv_decode_is_close_and_never_a_bf16_matmul(monkeypatch):
-    """``to_decode_dtype(kv_dtype=torch.bfloat16)``: the chunk's keys and values are kept in bf16 (the prompt's
+    """``Decoder(model, kv_dtype=torch.bfloat16)``: the chunk's keys and values are kept in bf16 (the prompt's
     float32 cache converted at the first step, new chunks started in bf16), the logits within bf16's rounding
     of the float64 pass, and the attention over them never a bf16 matmul (on this CPU oneDNN builds a kernel
     for every new attended length: 0.5 ms per product). A prompt run under autocast (bf16 keys) decoded
     with the default options takes the same float32 products; ``kv_dtype=torch.float32`` converts it."""
     model = make_lm(chunk_size=8)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(12))
-    ref = decode_logits(model, tokens, prompt=5)
-    got = decode_logits(model.to_decode_dtype(None, kv_dtype=torch.bfloat16), tokens, prompt=5)
+    dec = decode.Decoder(model)
+    ref = decode_logits(dec, tokens, prompt=5)
+    got = decode_logits(dec.set_weights(None, kv_dtype=torch.bfloat16), tokens, prompt=5)
     assert (got[:, 5:] - ref[:, 5:]).abs().max() > 1e-5  # the bf16 keys were used
     want = float64_logits(model, tokens).float()
     model.float()
     torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
     with torch.no_grad():
-        _, cache = model(tokens[:, :5], use_cache=True)
+        _, cache = dec(tokens[:, :5])
         assert cache.layers[0].kv.k_buf.dtype == torch.float32
-        _, cache = model(tokens[:, 5:6], cache)
+        _, cache = dec(tokens[:, 5:6], cache)
         assert {lc.kv.k_buf.dtype for lc in cache.layers} == {torch.bfloat16}
-        assert bf16_matmuls(lambda: model(tokens[:, 6:7], cache)) == []
-        model.to_decode_dtype(None)  # the default: keys as computed, here bf16 from an autocast prompt
+        assert bf16_matmuls(lambda: dec(tokens[:, 6:7], cache)) == []
+        dec.set_weights(None)  # the default: keys as computed, here bf16 from an autocast prompt
         with torch.autocast("cpu", torch.bfloat16):
-            _, cache = model(tokens[:, :5], use_cache=True)
+            _, cache = dec(tokens[:, :5])
         assert cache.layers[0].kv.k_buf.dtype == torch.bfloat16
-        assert bf16_matmuls(lambda: model(tokens[:, 5:6], cache)) == []
-        model.to_decode_dtype(None, kv_dtype=torch.float32)
-        _, cache = model(tokens[:, 5:6], cache)
+        assert bf16_matmuls(lambda: dec(tokens[:, 5:6], cache)) == []
+        dec.set_weights(None, kv_dtype=torch.float32)
+        _, cache = dec(tokens[:, 5:6], cache)
         assert {lc.kv.k_buf.dtype for lc in cache.layers} == {torch.float32}
 
 
@@ -186,22 +192,23 @@ def test_a_segment_continues_a_cache_in_another_dtype(kv_dtype, prompt_autocast)
     (``kv_dtype`` bf16, or a prompt run under autocast), in float32: the cache is converted to the segment's
     dtype (a copy; it raised a dtype mismatch before), the next steps convert back, and the logits stay within
     bf16's rounding of the float64 pass; the new chunk after the boundary starts in ``kv_dtype``."""
-    model = make_lm(chunk_size=8).to_decode_dtype(None, kv_dtype=kv_dtype)
+    model = make_lm(chunk_size=8)
+    dec = decode.Decoder(model, kv_dtype=kv_dtype)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         with torch.autocast("cpu", torch.bfloat16, enabled=prompt_autocast):
-            first, cache = model(tokens[:, :3], use_cache=True)
+            first, cache = dec(tokens[:, :3])
         outs = [first]
         for i in range(3, 5):
-            logits, cache = model(tokens[:, i : i + 1], cache)
+            logits, cache = dec(tokens[:, i : i + 1], cache)
             outs.append(logits)
         assert cache.layers[0].kv.k_buf.dtype == torch.bfloat16
         before = cache.layers[0].kv.keys.clone()
-        logits, later = model(tokens[:, 5:8], cache)  # float32 segment, ends on the chunk boundary
+        logits, later = dec(tokens[:, 5:8], cache)  # float32 segment, ends on the chunk boundary
         outs.append(logits)
         assert torch.equal(cache.layers[0].kv.keys, before)  # the earlier cache is untouched
         for i in range(8, 14):
-            logits, later = model(tokens[:, i : i + 1], later)
+            logits, later = dec(tokens[:, i : i + 1], later)
             outs.append(logits)
     if kv_dtype is not None:
         assert later.layers[0].kv.k_buf.dtype == kv_dtype  # the chunk begun at position 8
@@ -217,8 +224,9 @@ def test_packed_weights_follow_parameter_changes(change):
     old packs'."""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
-    decode_logits(model, tokens, prompt=2)  # builds the packs
-    old_plan = model.decode_plan()
+    dec = decode.Decoder(model)
+    decode_logits(dec, tokens, prompt=2)  # builds the packs
+    old_plan = dec.plan()
     if change == "optimizer":
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -233,8 +241,8 @@ def test_packed_weights_follow_parameter_changes(change):
     else:
         fc2 = model.layers[0].nffn.fc2
         fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
-    got = decode_logits(model, tokens, prompt=2)
-    new_plan = model.decode_plan()
+    got = decode_logits(dec, tokens, prompt=2)
+    new_plan = dec.plan()
     want = float64_logits(model, tokens)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
     assert new_plan is not old_plan
@@ -243,14 +251,14 @@ def test_packed_weights_follow_parameter_changes(change):
 def test_decode_options_are_checked():
     model = make_lm()
     with pytest.raises(ValueError, match="decode weight dtype must be one of"):
-        model.to_decode_dtype(torch.float16)
+        decode.Decoder(model, torch.float16)
     with pytest.raises(ValueError, match="decode gemv must be one of"):
-        model.to_decode_dtype(torch.float32, "cublas")
+        decode.Decoder(model).set_weights(torch.float32, "cublas")
     with pytest.raises(
         ValueError,
         match=r"decode kv_dtype must be one of \[None, torch.float32, torch.bfloat16\], got torch.float16",
     ):
-        model.to_decode_dtype(torch.float32, kv_dtype=torch.float16)
+        decode.Decoder(model, torch.float32, kv_dtype=torch.float16)
 
 
 def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
@@ -267,13 +275,15 @@ def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
 # ------------------------------------------------------------------ StaticDecoder (the CUDA-graph step)
 
 
-def static_decode_logits(model, tokens, prompt, buckets=None, dec=None, **options):
+def static_decode_logits(source, tokens, prompt, buckets=None, dec=None, **options):
     """Prompt through the full pass, then ``decode.StaticDecoder`` (no graphs on CPU) one token at a time;
-    ``dec``: an existing decoder, loaded with this prompt's cache."""
+    ``source``: a model or a ``decode.Decoder``; ``dec``: an existing decoder, loaded with this prompt's
+    cache."""
+    model = source.model if isinstance(source, decode.Decoder) else source
     with torch.no_grad():
         logits, cache = model(tokens[:, :prompt], use_cache=True)
         if dec is None:
-            dec = decode.StaticDecoder(model, cache, buckets=buckets, **options)
+            dec = decode.StaticDecoder(source, cache, buckets=buckets, **options)
         else:
             dec.load(cache)
         outs = [logits] + [
@@ -351,20 +361,21 @@ def test_static_decoders_keep_bf16_keys_and_values(fresh_dynamo):
     within bf16's rounding of the float64 pass across two chunk boundaries, the compiled step within the
     rounding of its probabilities (bf16, for their product with v) of the eager one, and no bf16 matmul in
     the eager step. A cache in any dtype loads (converted)."""
-    model = make_lm(chunk_size=8, num_heads=1).to_decode_dtype(None, kv_dtype=torch.bfloat16)
+    model = make_lm(chunk_size=8, num_heads=1)
+    source = decode.Decoder(model, kv_dtype=torch.bfloat16)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(13))
-    eager, dec = static_decode_logits(model, tokens, 5)
+    eager, dec = static_decode_logits(source, tokens, 5)
     assert {k_buf.dtype for _, _, k_buf, _ in dec.layers} == {torch.bfloat16}
     want = float64_logits(model, tokens).float()
     model.float()
     torch.testing.assert_close(eager, want, rtol=0, atol=0.02 * want.abs().max().item())
-    compiled, dec = static_decode_logits(model, tokens, 5, compile=True)
+    compiled, dec = static_decode_logits(source, tokens, 5, compile=True)
     torch.testing.assert_close(compiled, want, rtol=0, atol=0.02 * want.abs().max().item())
     assert (compiled - eager).abs().max() <= 2e-3 * want.abs().max()  # the probabilities' bf16 rounding
     with torch.no_grad():
         with torch.autocast("cpu", torch.bfloat16):
             cache = model(tokens[:, :3], use_cache=True)[1]
-        eager_dec = decode.StaticDecoder(model, cache)
+        eager_dec = decode.StaticDecoder(source, cache)
         assert bf16_matmuls(lambda: eager_dec.step(tokens[:, 3])) == []
         dec.load(cache)  # the compiled step: one bf16 product per layer, softmax(·) v
         assert len(bf16_matmuls(lambda: dec.step(tokens[:, 3]))) == model.cfg.num_layers
@@ -378,17 +389,17 @@ def test_compiled_bf16_kv_decoder_attends_over_64_row_buckets(fresh_dynamo):
     model = make_lm(chunk_size=128, num_heads=1)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 136), generator=torch.Generator().manual_seed(15))
     want = float64_logits(model, tokens).float()
-    model.float().to_decode_dtype(None, kv_dtype=torch.bfloat16)
+    source = decode.Decoder(model.float(), kv_dtype=torch.bfloat16)
     with torch.no_grad():
         logits, cache = model(tokens[:, :60], use_cache=True)
-        dec = decode.StaticDecoder(model, cache, compile=True)
+        dec = decode.StaticDecoder(source, cache, compile=True)
         assert dec.ends == [64, 128]
         with torch._dynamo.config.patch(error_on_recompile=True):
             got = [dec.step(tokens[:, i]).clone() for i in range(60, 135)]  # offsets 60..127, then 0..6
     torch.testing.assert_close(
         torch.stack(got, 1), want[:, 60:135], rtol=0, atol=0.02 * want.abs().max().item()
     )
-    model.to_decode_dtype(None)
+    source.set_weights(None)
     with pytest.raises(RuntimeError, match="weights changed"):
         dec.step(tokens[:, 135])
 
@@ -421,10 +432,10 @@ def test_each_compiled_decoder_compiles_its_own_step(fresh_dynamo):
     first = make_lm(chunk_size=8)
     with torch.no_grad():
         decode.StaticDecoder(first, first(tokens[:, :3], use_cache=True)[1], compile=True)
-    model = make_lm(seed=1, chunk_size=8, model_dim=24, num_heads=1).to_decode_dtype(torch.bfloat16)
+    model = make_lm(seed=1, chunk_size=8, model_dim=24, num_heads=1)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         logits, cache = model(tokens[:, :3], use_cache=True)
-        dec = decode.StaticDecoder(model, cache, compile=True)
+        dec = decode.StaticDecoder(decode.Decoder(model, torch.bfloat16), cache, compile=True)
         got = torch.cat([logits] + [dec.step(tokens[:, i]).clone()[:, None] for i in range(3, 14)], 1)
     want = float64_logits(model, tokens).float()
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
@@ -448,14 +459,15 @@ def test_a_compiled_cpu_decoder_on_an_mkldnn_model_reads_rows_packs(fresh_dynamo
     """oneDNN's reordered weights do not compile (Inductor's lowering wants them as graph constants: the
     compile failed); the compiled CPU decoder of an ``mkldnn`` model packs ``rows`` and gives the float64
     pass's logits, while the eager path keeps oneDNN."""
-    model = make_lm(chunk_size=8, num_heads=1).to_decode_dtype(torch.float32, "mkldnn")
+    model = make_lm(chunk_size=8, num_heads=1)
+    source = decode.Decoder(model, torch.float32, "mkldnn")
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(10))
     want = float64_logits(copy.deepcopy(model), tokens)
-    got, dec = static_decode_logits(model, tokens, 3, compile=True)
+    got, dec = static_decode_logits(source, tokens, 3, compile=True)
     assert dec.plan.options == (torch.float32, "rows", None)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
-    decode_logits(model, tokens, prompt=3)
-    assert model.decode_plan().blocks[0].gemv_m.kind == "mkldnn"
+    decode_logits(source, tokens, prompt=3)
+    assert source.plan().blocks[0].gemv_m.kind == "mkldnn"
 
 
 def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dynamo):
@@ -465,23 +477,24 @@ def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dyn
     rounding; the eager path keeps its own "matmul" packs; a change of the decode options, or a parameter
     replaced by a new one before ``load``, makes the decoder stale."""
     model = make_lm(chunk_size=8, num_heads=1)
+    source = decode.Decoder(model)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 13), generator=torch.Generator().manual_seed(9))
     want = float64_logits(copy.deepcopy(model), tokens)
-    got, dec = static_decode_logits(model, tokens, 3, compile=True)
+    got, dec = static_decode_logits(source, tokens, 3, compile=True)
     assert dec.plan.options[1] == "rows" and dec.plan.blocks[0].gemv_13.kind == "rows"
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
     with torch.no_grad(), torch.profiler.profile() as prof:
         dec.step(tokens[:, 0])
     ops = {e.key: e.count for e in prof.key_averages()}
     assert "aten::addmm" not in ops and ops.get("aten::mm", 0) <= 2 * model.cfg.num_layers  # attention only
-    eager = decode_logits(model, tokens, prompt=3)  # rebuilds the model's own packs
-    assert model.decode_plan().options[1] == "matmul" and dec.plan.options[1] == "rows"
+    eager = decode_logits(source, tokens, prompt=3)  # rebuilds the decoder's own packs
+    assert source.plan().options[1] == "matmul" and dec.plan.options[1] == "rows"
     torch.testing.assert_close(eager.double(), want, rtol=0, atol=2e-6 * want.abs().max())
     dec.step(tokens[:, 0])  # its packs are still the model's weights
-    model.to_decode_dtype(torch.float32, kv_dtype=torch.float32)
+    source.set_weights(torch.float32, kv_dtype=torch.float32)
     with pytest.raises(RuntimeError, match="weights changed"):
         dec.step(tokens[:, 0])
-    model.to_decode_dtype(None)
+    source.set_weights(None)
     fc2 = model.layers[0].nffn.fc2
     _, cache = model(tokens[:, :3], use_cache=True)
     with pytest.raises(ValueError, match="decode gemv must be one of"):
@@ -495,21 +508,22 @@ def test_the_compiled_cpu_step_reads_rows_packs_as_inductor_reductions(fresh_dyn
 
 
 def test_a_decoder_on_its_own_packs_sees_a_parameter_replaced_before_a_prompt():
-    """A decoder whose plan is no longer the model's ("rows" packs, as the compiled CPU decoder's, beside the
-    eager step's "matmul" ones) is stale after a parameter is replaced by a new one and a prompt runs through
-    the model, as a decoder sharing the model's plan is (it stepped on the old weights: only the model's
-    plan re-listed the parameter objects after a full pass)."""
+    """A static decoder whose plan is not its ``Decoder``'s ("rows" packs, as the compiled CPU decoder's, beside
+    the eager step's "matmul" ones) is stale after a parameter is replaced by a new one and a prompt runs
+    through the decoder, as one sharing the decoder's plan is (it stepped on the old weights when only the
+    eager plan re-listed the parameter objects after a full pass)."""
     model = make_lm(chunk_size=8, num_heads=1)
+    source = decode.Decoder(model)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        _, cache = model(tokens[:, :3], use_cache=True)
-        dec = decode.StaticDecoder(model, cache, gemv="rows")
+        _, cache = source(tokens[:, :3])
+        dec = decode.StaticDecoder(source, cache, gemv="rows")
         dec.step(tokens[:, 3])
-        model(tokens[:, 3:4], cache)  # an eager step packs the model's own "matmul" plan
-        assert model.decode_plan() is not dec.plan
+        source(tokens[:, 3:4], cache)  # an eager step packs the decoder's own "matmul" plan
+        assert source.plan() is not dec.plan
         fc2 = model.layers[0].nffn.fc2
         fc2.weight = torch.nn.Parameter(fc2.weight.detach() * 1.5)
-        model(tokens[:, :3], use_cache=True)
+        source(tokens[:, :3])
         with pytest.raises(RuntimeError, match="weights changed"):
             dec.step(tokens[:, 4])
 
@@ -532,15 +546,16 @@ def test_weights_replaced_between_two_steps_are_seen_without_a_full_pass(how):
     runs = []
     for fresh_packs in (False, True):
         model = make_lm()
+        dec = decode.Decoder(model)
         with torch.no_grad():
-            _, cache = model(tokens[:, :2], use_cache=True)
+            _, cache = dec(tokens[:, :2])
             outs = []
             for i in range(2, tokens.shape[1]):
                 if i == 5:
                     _replace_weights(model, other, how)
                     if fresh_packs:
-                        model._decode_plan = None
-                logits, cache = model(tokens[:, i : i + 1], cache)
+                        dec = decode.Decoder(model)
+                logits, cache = dec(tokens[:, i : i + 1], cache)
                 outs.append(logits)
         runs.append(torch.cat(outs, 1))
     assert not torch.equal(runs[1][:, :3], runs[1][:, 3:6])  # the replacement changed the logits
@@ -597,7 +612,7 @@ def test_a_compiled_cuda_decoder_defaults_to_the_fastest_gemv_and_options_measur
     assert decode.compiled_step_defaults("cuda", "mv", {}) == ("mv", {})
     assert decode.compiled_step_defaults("cpu", None, None) == (None, decode.CPU_COMPILE_OPTIONS)
     assert decode.compiled_step_defaults("meta", None, None) == (None, {})
-    assert decode.CUDA_ROW_GEMV == "mv"  # eager decoding on CUDA is unchanged
+    assert pack_module.CUDA_ROW_GEMV == "mv"  # eager decoding on CUDA is unchanged
 
 
 def test_compile_options_are_checked():
@@ -620,17 +635,17 @@ def test_generate_through_the_static_and_compiled_step_picks_the_same_tokens(fre
     model = make_lm(chunk_size=8)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        want = model.generate(prompt, 14, greedy=True)  # crosses two chunk boundaries
-        assert torch.equal(model.generate(prompt, 14, greedy=True, static=True), want)
+        want = decode.generate(model, prompt, 14, greedy=True)  # crosses two chunk boundaries
+        assert torch.equal(decode.generate(model, prompt, 14, greedy=True, static=True), want)
     with torch.inference_mode():
-        assert torch.equal(model.generate(prompt, 14, greedy=True, compile=True), want)
+        assert torch.equal(decode.generate(model, prompt, 14, greedy=True, compile=True), want)
         _, cache = model(prompt, use_cache=True)
         dec = decode.StaticDecoder(model, cache, compile=True)
         first = dec.step(want[:, 5]).argmax(-1)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(torch.stack([first, dec.step(want[:, 6]).argmax(-1)], 1), want[:, 6:8])
     with torch.no_grad(), pytest.raises(ValueError, match="window_stats"):
-        model.generate(prompt, 2, static=True, window_stats=True)
+        decode.generate(model, prompt, 2, static=True, window_stats=True)
 
 
 def _decoder_matches_float64(device: str, compile: bool) -> None:
@@ -664,8 +679,9 @@ def test_row_gemv_variants_in_the_static_and_compiled_step(kind, monkeypatch, fr
     float64 pass."""
     import kernels.gemv as gemv_ops
 
-    monkeypatch.setattr(decode, "_row_gemv_kind", lambda x: kind)  # on CUDA: decode.CUDA_ROW_GEMV
-    model = make_lm(chunk_size=8, num_heads=1, layer_scale=True).to_decode_dtype(torch.bfloat16)
+    monkeypatch.setattr(pack_module, "_row_gemv_kind", lambda x: kind)  # on CUDA: pack.CUDA_ROW_GEMV
+    model = make_lm(chunk_size=8, num_heads=1, layer_scale=True)
+    source = decode.Decoder(model, torch.bfloat16)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(9))
     want = float64_logits(model, tokens).float()
     model.float()
@@ -673,9 +689,9 @@ def test_row_gemv_variants_in_the_static_and_compiled_step(kind, monkeypatch, fr
     with monkeypatch.context() as m:
         fn = getattr(gemv_ops, name)
         m.setattr(gemv_ops, name, lambda *a: calls.append(1) or fn(*a))
-        static, _ = static_decode_logits(model, tokens, 3)
+        static, _ = static_decode_logits(source, tokens, 3)
     assert len(calls) == 11 * model.cfg.num_layers * 5  # five GEMVs per block per token
-    compiled, _ = static_decode_logits(model, tokens, 3, compile=True)
+    compiled, _ = static_decode_logits(source, tokens, 3, compile=True)
     for got in (static, compiled):
         torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
     # Inductor may skip the float32 -> bf16 -> float32 rounding of x before the CPU reference's product
@@ -690,11 +706,11 @@ def test_cuda_row_gemvs_in_the_graph_decoder(kind):
     them) stays within bf16 rounding of the float64 pass."""
     from kernels.gemv import triton as gemv_triton
 
-    model = make_lm(chunk_size=8, num_heads=1).cuda().to_decode_dtype(torch.bfloat16)
+    model = make_lm(chunk_size=8, num_heads=1).cuda()
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
     with gemv_triton.fixed_config():  # no autotuning (13 compiles and timings) in this small test
-        got, _ = static_decode_logits(model, tokens.cuda(), 5, row_gemv=kind)
-    assert decode.CUDA_ROW_GEMV == "mv"  # the decoder set its choice only around its own calls
+        got, _ = static_decode_logits(decode.Decoder(model, torch.bfloat16), tokens.cuda(), 5, row_gemv=kind)
+    assert pack_module.CUDA_ROW_GEMV == "mv"  # the decoder set its choice only around its own calls
     want = float64_logits(model.cpu(), tokens).float()
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0.03 * want.abs().max().item())
 
@@ -710,24 +726,14 @@ def test_row_gemv_choice_is_checked():
         with decode.cuda_row_gemv("triton "):
             pass
     with decode.cuda_row_gemv("triton"):
-        assert decode.CUDA_ROW_GEMV == "triton"
-    assert decode.CUDA_ROW_GEMV == "mv"
+        assert pack_module.CUDA_ROW_GEMV == "triton"
+    assert pack_module.CUDA_ROW_GEMV == "mv"
 
 
-def test_the_kv_attention_and_decode_sweep_benchmarks_run(capsys, fresh_dynamo):
-    """``python -m bench.kv_attention`` and ``python -m bench.decode --sweep`` (bench/RESULTS.md §25) at toy
-    sizes: every variant timed, a sweep row per 128 positions per path."""
+def test_the_decode_sweep_benchmark_runs(capsys, fresh_dynamo):
+    """``python -m bench.decode --sweep`` at toy sizes: a sweep row per 128 positions per path."""
     from bench import decode as decode_bench
-    from bench import kv_attention
 
-    args = ["--lengths", "4", "--rounds", "12", "--warmup", "2", "--buffers", "2", "--zd", "8"]
-    assert kv_attention.main(args + ["--value-dim", "16", "--threads", "1"]) == 0
-    out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if line.startswith("| n "))
-    assert all(f" {v} " in header for v in ("fp32 mm", "bf16 mm", "bf16 cast + fp32 mm", "bf16 compiled"))
-    assert sum(line.startswith("| 4 ") for line in out.splitlines()) == 2  # new n, fixed n
-    with pytest.raises(SystemExit):
-        kv_attention.main(["--variants", "fp64 mm"])
     decode_bench.main(["--paths", "bf16 matmul bf16-kv", "--no-compile", "--prompt", "8", "--sweep", "130",
                        "--threads", "1"])  # fmt: skip
     out = capsys.readouterr().out
@@ -755,23 +761,3 @@ def test_the_decode_sweep_takes_turns_as_ordered(monkeypatch, capsys, order):
     # blocks: A x128, B x128, A x2, B x2; round-robin: a switch at every token
     assert switches == (3 if order == "blocks" else 259)
     assert ("every 128 tokens" in capsys.readouterr().out) == (order == "blocks")
-
-
-def test_the_decode_bench_baseline_paths_build_the_compiled_step_as_before(monkeypatch, capsys):
-    """``bench.decode``'s "... baseline" paths build the compiled step as it was before bench/RESULTS.md §27
-    (``gemv="matmul"``, Inductor's defaults: ``compile_options={}``), the others with ``StaticDecoder``'s
-    defaults (the decoders are built eager here: what each path asks for is the point)."""
-    from bench import decode as decode_bench
-
-    built = []
-
-    class Recorded(decode.StaticDecoder):
-        def __init__(self, model, cache, **kwargs):
-            built.append(kwargs)
-            super().__init__(model, cache)
-
-    monkeypatch.setattr(decode, "StaticDecoder", Recorded)
-    decode_bench.main(["--paths", "fp32 compiled,fp32 compiled baseline", "--prompt", "4", "--sweep", "2",
-                       "--threads", "1"])  # fmt: skip
-    assert built == [{"compile": True}, {"compile": True, "gemv": "matmul", "compile_options": {}}]
-    assert "fp32 compiled baseline" in capsys.readouterr().out

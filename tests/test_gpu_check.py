@@ -235,9 +235,9 @@ def test_decode_gpu_bench_runs_its_gemv_comparison_on_the_cpu(tmp_path, monkeypa
 
 
 def test_head_precision_bench_runs_on_the_cpu(tmp_path):
-    """``python -m bench.head_precision`` (the next GPU lease's measure of the float32 logits head) runs on
+    """``python -m bench.diagnostics.head_precision`` (the next GPU lease's measure of the float32 logits head) runs on
     the CPU, where TF32 does not apply: one row per head computation, the float32 one as trained first."""
-    from bench import head_precision
+    from bench.diagnostics import head_precision
 
     out = tmp_path / "head.md"
     rc = head_precision.main(["--device", "cpu", "--preset", "megalodon_debug", "--tokens", "64", "--repeat",
@@ -250,7 +250,7 @@ def test_head_precision_bench_runs_on_the_cpu(tmp_path):
 
 
 def test_head_precision_bench_refuses_cuda_without_a_device():
-    from bench import head_precision
+    from bench.diagnostics import head_precision
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")

@@ -10,8 +10,9 @@ import test_model as tm
 import torch
 import torch.nn.functional as F
 
-from bench.saved_bytes import saved_bytes
+from bench.diagnostics.saved_bytes import saved_bytes
 from kernels.recompute import recompute
+from mega_suite.models.megalodon.block import MegalodonBlock
 from mega_suite.models.megalodon.lean import (
     dropout,
     is_rebuilt,
@@ -19,7 +20,6 @@ from mega_suite.models.megalodon.lean import (
     recompute_saved,
     silu_gate_linear,
 )
-from mega_suite.models.megalodon.model import MegalodonBlock
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 

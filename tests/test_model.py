@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from mega_suite import MegalodonClassifier, MegalodonConfig, MegalodonLM, create_model
-from mega_suite.models.megalodon.model import MegalodonBlock
+from mega_suite.models.megalodon.block import MegalodonBlock
+from mega_suite.models.megalodon.decode import generate
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 
@@ -571,7 +572,7 @@ def test_lm_rejects_tokens_of_wrong_rank():
         with pytest.raises(ValueError, match=re_shape(shape)):
             model(torch.zeros(shape, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\(1, 0\)"):
-        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
 
 
 def test_classifier_rejects_bad_inputs():

@@ -22,14 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from mega_suite import MegalodonConfig
-from mega_suite.models.megalodon.model import (
-    ComplexEMA,
-    LayerNorm,
-    MegalodonClassifier,
-    MegalodonLM,
-    RMSNorm,
-    TimestepNorm,
-)
+from mega_suite.models.common import RMSNorm
+from mega_suite.models.megalodon.classifier import MegalodonClassifier
+from mega_suite.models.megalodon.layers import ComplexEMA, LayerNorm, TimestepNorm
+from mega_suite.models.megalodon.lm import MegalodonLM
 
 BF16 = torch.bfloat16
 METHODS = ("fft", "chunked", "sequential")
@@ -69,15 +65,15 @@ class Recorder:
         for name, module in model.named_modules():
             if isinstance(module, (ComplexEMA, TimestepNorm, RMSNorm, LayerNorm)):
                 module.register_forward_hook(self._hook(name))
-        import mega_suite.models.megalodon.model as model_module
+        import mega_suite.models.megalodon.attention as attention_module
 
-        original = model_module.chunk_attention
+        original = attention_module.chunk_attention
 
         def spy(q, k, v, *args, **kwargs):
             self.attention.append((q, k, v))
             return original(q, k, v, *args, **kwargs)
 
-        monkeypatch.setattr(model_module, "chunk_attention", spy)
+        monkeypatch.setattr(attention_module, "chunk_attention", spy)
 
     def _hook(self, name):
         def hook(module, inputs, output):

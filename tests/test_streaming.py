@@ -13,7 +13,8 @@ import test_model as tm
 import torch
 
 from mega_suite import MegalodonLM
-from mega_suite.generation import sample_next
+from mega_suite.models.megalodon.decode import generate
+from mega_suite.models.sampling import sample_next
 
 EXACT = dict(rtol=1e-10, atol=1e-10)
 WINDOW_CHUNKS, WINDOW_AFTER = 6, 8  # SPEC §7: the last 6 chunks once 8 chunks have been seen
@@ -243,10 +244,10 @@ def greedy_reference(gen_model):
 
 def test_generate_greedy_equals_argmax_of_full_passes(gen_model, greedy_reference):
     prompt, expected = greedy_reference
-    assert torch.equal(gen_model.generate(prompt, 12, greedy=True), expected)
-    assert torch.equal(gen_model.generate(prompt, 12, temperature=0.0), expected)
+    assert torch.equal(generate(gen_model, prompt, 12, greedy=True), expected)
+    assert torch.equal(generate(gen_model, prompt, 12, temperature=0.0), expected)
     gen = torch.Generator().manual_seed(0)
-    assert torch.equal(gen_model.generate(prompt, 12, top_k=1, generator=gen), expected)
+    assert torch.equal(generate(gen_model, prompt, 12, top_k=1, generator=gen), expected)
 
 
 def nucleus(logits, top_p):
@@ -260,7 +261,7 @@ def nucleus(logits, top_p):
 @pytest.mark.parametrize("top_k,top_p", [(3, None), (None, 0.5), (4, 0.6)])
 def test_generate_samples_only_allowed_tokens(gen_model, top_k, top_p):
     prompt = tokens_for(gen_model, 8, 6, seed=19)
-    out = gen_model.generate(prompt, 9, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(1))
+    out = generate(gen_model, prompt, 9, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(1))
     logits, _ = gen_model(out)
     for t in range(prompt.shape[1], out.shape[1]):
         step = logits[:, t - 1]
@@ -282,11 +283,11 @@ def test_generate_stops_at_eos(gen_model, greedy_reference):
     for b, f in enumerate(first):
         if f is not None:
             expected[b, f:] = eos  # a finished row keeps emitting eos
-    out = gen_model.generate(prompt, new.shape[1], greedy=True, eos_id=eos)
+    out = generate(gen_model, prompt, new.shape[1], greedy=True, eos_id=eos)
     assert torch.equal(out[:, : prompt.shape[1]], prompt)
     assert torch.equal(out[:, prompt.shape[1] :], expected)
     # when every row is done, generation stops early
-    out = gen_model.generate(prompt[:1], new.shape[1], greedy=True, eos_id=eos)
+    out = generate(gen_model, prompt[:1], new.shape[1], greedy=True, eos_id=eos)
     assert torch.equal(out[0, prompt.shape[1] :], new[0, : first[0] + 1])
 
 

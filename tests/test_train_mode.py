@@ -2,7 +2,8 @@
 
 The model runs in float64 with every dropout rate distinct (dropout 0.3, hidden_dropout 0.2, attention_dropout
 0.25, drop_path 0.4), so each recorded mask also names the rate it was drawn with. ``MaskRecorder`` wraps
-``torch.nn.functional.dropout``, ``mega_suite.models.megalodon.model.dropout``, ``mega_suite.models.megalodon.model.drop_path`` and ``mega_suite.models.megalodon.model.chunk_attention``: the
+``torch.nn.functional.dropout``, ``lean.dropout`` (as the block and the classifier call it),
+``block.drop_path`` and ``attention.chunk_attention`` of ``mega_suite.models.megalodon``: the
 originals run (the model's real random draws), the keep-masks and the RNG state before each attention call are
 recorded, and the oracle -- which applies every dropout itself, in its SPEC place, with its own 1 / (1 − p)
 rescaling -- takes them in data-dependency order, asserting the rate and the shape of each. The DropKey mask is
@@ -18,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from oracles import chunk_attention_dropkey, megalodon_block, megalodon_classifier, megalodon_lm, rope_chunks
 
-import mega_suite.models.megalodon.model as model_module
+import mega_suite.models.megalodon.attention as attention_module
+import mega_suite.models.megalodon.block as block_module
+import mega_suite.models.megalodon.classifier as classifier_module
 from kernels.attention.reference import chunk_attention as reference_attention
 from mega_suite import MegalodonClassifier, MegalodonLM
-from mega_suite.models.megalodon.model import MegalodonBlock
+from mega_suite.models.megalodon.block import MegalodonBlock
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 RATES = dict(dropout=0.3, hidden_dropout=0.2, attention_dropout=0.25)
@@ -51,9 +54,9 @@ class MaskRecorder:
 
     def __init__(self, monkeypatch):
         self.dropouts, self.paths, self.attention, self.places = [], [], [], []
-        dropout, drop_path, attention = F.dropout, model_module.drop_path, model_module.chunk_attention
+        dropout, drop_path, attention = F.dropout, block_module.drop_path, attention_module.chunk_attention
 
-        lean_dropout = model_module.dropout  # F.dropout's draws, a bool mask stored (lean.dropout)
+        lean_dropout = block_module.dropout  # F.dropout's draws, a bool mask stored (lean.dropout)
         inside_lean = []
 
         def recording_dropout(input, p=0.5, training=True, inplace=False):
@@ -82,9 +85,10 @@ class MaskRecorder:
             return attention(q, k, v, chunk_size, causal, key_padding_mask, dropout_p)
 
         monkeypatch.setattr(F, "dropout", recording_dropout)
-        monkeypatch.setattr(model_module, "dropout", recording_lean_dropout)
-        monkeypatch.setattr(model_module, "drop_path", recording_drop_path)
-        monkeypatch.setattr(model_module, "chunk_attention", recording_attention)
+        monkeypatch.setattr(block_module, "dropout", recording_lean_dropout)
+        monkeypatch.setattr(classifier_module, "dropout", recording_lean_dropout)
+        monkeypatch.setattr(block_module, "drop_path", recording_drop_path)
+        monkeypatch.setattr(attention_module, "chunk_attention", recording_attention)
 
     def __call__(self, place, p, shape):
         queue = self.paths if place.startswith("path") else self.dropouts

@@ -162,13 +162,15 @@ def test_the_kernel_inside_the_static_and_compiled_decode_step(monkeypatch):
 
     from kernels import dispatch
     from mega_suite.models.megalodon import decode
+    from mega_suite.models.megalodon.decode import pack
 
     calls = []
     launch = fused.row_gemv
     monkeypatch.setattr(fused, "row_gemv", lambda *a: calls.append(1) or launch(*a))
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(decode, "_row_gemv_kind", lambda x: "triton")
-    model = tds.make_lm(chunk_size=8, num_heads=1).to_decode_dtype(torch.bfloat16)
+    monkeypatch.setattr(pack, "_row_gemv_kind", lambda x: "triton")
+    model = tds.make_lm(chunk_size=8, num_heads=1)
+    source = decode.Decoder(model, torch.bfloat16)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     want = tds.float64_logits(model, tokens).float()
     model.float()
@@ -176,7 +178,7 @@ def test_the_kernel_inside_the_static_and_compiled_decode_step(monkeypatch):
     try:
         for compile in (False, True):
             calls.clear()
-            got, _ = tds.static_decode_logits(model, tokens, 3, compile=compile)
+            got, _ = tds.static_decode_logits(source, tokens, 3, compile=compile)
             assert len(calls) >= 6 * model.cfg.num_layers * 5  # every GEMV of every token ran the kernel
             torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
     finally:

@@ -13,8 +13,9 @@ from torch import Tensor
 from kernels import dispatch
 from kernels.attention import reference
 from kernels.attention.reference import attention_with_cache
+from kernels.attention.step import attention_step
 
-__all__ = ["chunk_attention", "attention_with_cache", "fused_eligible"]
+__all__ = ["chunk_attention", "attention_with_cache", "attention_step", "fused_eligible"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_QK_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK, dk] tile per program (kernels.attention.triton)

@@ -190,7 +190,7 @@ def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
 def _prefer_blocked(n: int, c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
     """Causal, no padding, no dropout, dk != dv, ``n`` chunks x heads of C tokens: ``_BlockedCausal``
     (dk-wide scores, 5/8 of C x C, in float32) rather than Q and K padded to dv for SDPA's flash kernel?
-    Measured on CPU (``python -m bench.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
+    Measured on CPU (``python -m bench.diagnostics.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
     2048 tokens; bench/RESULTS.md §20): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256
     or C <= 1024 (one cell 1.04), and 1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch
     1), where the elementwise passes over the materialised probabilities cost more than flash's wider

@@ -12,9 +12,12 @@ from torch import Tensor
 
 from kernels.cema import reference
 from kernels.cema.reference import cema_coefficients, cema_kernel, cema_step
+from kernels.cema.step import cema_token_step, cema_token_step_real
 from kernels.dispatch import use_triton
 
-__all__ = ["cema", "cema_coefficients", "cema_kernel", "cema_step"]
+__all__ = [
+    "cema", "cema_coefficients", "cema_kernel", "cema_step", "cema_token_step", "cema_token_step_real",
+]  # fmt: skip
 
 
 def cema(

@@ -13,8 +13,9 @@ from torch import Tensor
 from kernels.dispatch import use_triton
 from kernels.timestep_norm import reference
 from kernels.timestep_norm.reference import NormState, group_norm, merge_norm_states
+from kernels.timestep_norm.step import timestep_norm_step
 
-__all__ = ["timestep_norm", "group_norm", "merge_norm_states"]
+__all__ = ["timestep_norm", "timestep_norm_step", "group_norm", "merge_norm_states"]
 
 
 def timestep_norm(

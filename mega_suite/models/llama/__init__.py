@@ -8,7 +8,6 @@ the recipe describes, computed the same way.
 
 from __future__ import annotations
 
-from mega_suite.models import ModelSpec, register
 from mega_suite.models.llama.model import (
     LlamaConfig,
     LlamaLM,
@@ -16,6 +15,7 @@ from mega_suite.models.llama.model import (
     head_count,
     matched_config,
 )
+from mega_suite.models.registry import ModelSpec, register
 
 _CTX = dict(max_seq_len=4096)  # Llama 2's context window; recipes set their training length
 

@@ -1,11 +1,22 @@
-"""Megalodon (SPEC §1-§7): the model, read top to bottom in ``model.py``; its config, sizes and FLOPs."""
+"""Megalodon (docs/architecture.md): its config, sizes, builder and FLOPs, registered as an architecture.
+
+The model reads top to bottom in ``layers.py`` -> ``attention.py`` -> ``block.py`` -> ``lm.py`` /
+``classifier.py``; ``cache.py`` holds the streaming state and ``decode/`` the one-token decoder.
+"""
 
 from __future__ import annotations
 
-from mega_suite.models import ModelSpec, register
+from torch import nn
+
+from mega_suite.models.megalodon.classifier import MegalodonClassifier
 from mega_suite.models.megalodon.config import MegalodonConfig
-from mega_suite.models.megalodon.model import MegalodonClassifier, MegalodonLM, build_model
+from mega_suite.models.megalodon.lm import MegalodonLM
 from mega_suite.models.megalodon.presets import PRESETS
+from mega_suite.models.registry import ModelSpec, register
+
+
+def build_model(cfg: MegalodonConfig) -> nn.Module:
+    return MegalodonClassifier(cfg) if cfg.is_classifier else MegalodonLM(cfg)
 
 
 def flops_per_token(cfg: MegalodonConfig, seq_len: int = 0) -> float:
@@ -29,8 +40,10 @@ SPEC = register(
         build=build_model,
         presets=PRESETS,
         flops_per_token=flops_per_token,
-        streaming="exact streaming: CEMA and TimestepNorm states carried, unbounded context (SPEC §7)",
+        streaming="exact streaming: CEMA and TimestepNorm states carried, unbounded context (docs/architecture.md#streaming)",
     )
 )
 
-__all__ = ["MegalodonClassifier", "MegalodonConfig", "MegalodonLM", "PRESETS", "SPEC", "flops_per_token"]
+__all__ = [
+    "MegalodonClassifier", "MegalodonConfig", "MegalodonLM", "PRESETS", "SPEC", "build_model", "flops_per_token",
+]  # fmt: skip

@@ -13,7 +13,7 @@
   inputs in backward (a checkpoint of a few cheap ops, not of a block: matmuls, attention and FFTs are never
   recomputed). ``fn`` must be deterministic (no dropout) and contain no autocast-listed op.
 
-What a block stores, per node, is printed by ``python -m bench.saved_bytes``.
+What a block stores, per node, is printed by ``python -m bench.diagnostics.saved_bytes``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the float32 logits head costs a training step, beside the same head with TF32 or bf16 matmuls.
 
-    python -m bench.head_precision                                   # megalodon_7b's head, 4096 tokens, CUDA
-    python -m bench.head_precision --device cpu --preset megalodon_cpu_bench --tokens 2048 --vocab 4000
+    python -m bench.diagnostics.head_precision                                   # megalodon_7b's head, 4096 tokens, CUDA
+    python -m bench.diagnostics.head_precision --device cpu --preset megalodon_cpu_bench --tokens 2048 --vocab 4000
 
 SPEC §5 has the logits in float32, and the suite computes the output projection in float32 under autocast
 (``OutputProjection``, a float32 island), then the cross-entropy. Its matmul is 6·D·V FLOPs per token in
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     rate = 2 * n * d * f / med.pop("bf16 GEMM")  # FLOP/s of the step's bf16 GEMM
     body_s = (step_flops - head_flops) / rate  # the rest of the step at that speed
 
-    print(f"# python -m bench.head_precision {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(
+        f"# python -m bench.diagnostics.head_precision {' '.join(argv if argv is not None else sys.argv[1:])}"
+    )
     print(
         machine_description(torch.get_num_threads()) if device.type == "cpu" else torch.cuda.get_device_name()
     )

@@ -1,9 +1,9 @@
 """Where a 7B-width block's GPU time goes: torch.profiler's kernel table for one Megalodon and one Llama block.
 
-    python -m bench.gpu_profile                 # L = 4096, bf16-mixed, forward + backward, top 30 kernels
-    python -m bench.gpu_profile --length 32768 --top 20
-    python -m bench.gpu_profile --walls 4096,32768    # wall ms, eager and torch.compile'd, no profile
-    python -m bench.gpu_profile --walls 4096 --modes eager,default,reduce-overhead   # + CUDA graphs
+    python -m bench.diagnostics.gpu_profile                 # L = 4096, bf16-mixed, forward + backward, top 30 kernels
+    python -m bench.diagnostics.gpu_profile --length 32768 --top 20
+    python -m bench.diagnostics.gpu_profile --walls 4096,32768    # wall ms, eager and torch.compile'd, no profile
+    python -m bench.diagnostics.gpu_profile --walls 4096 --modes eager,default,reduce-overhead   # + CUDA graphs
 
 The blocks are gpu_check's ``block`` stage's (bench/block.py ``build_block`` at the 7B widths). After three
 warm-up steps (Triton autotune, cuBLAS heuristics), one step is profiled; the table lists the device kernels
@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in ("eager", *COMPILE_MODES) for m in modes):
         ap.error(f"--modes {args.modes}: each of eager, {', '.join(COMPILE_MODES)}")
     if not torch.cuda.is_available():
-        print("bench.gpu_profile: needs a CUDA device", file=sys.stderr)
+        print("bench.diagnostics.gpu_profile: needs a CUDA device", file=sys.stderr)
         return 2
     if args.walls:
         return walls([int(n) for n in args.walls.split(",")], args.out, modes)

@@ -1,7 +1,7 @@
 """Causal chunked attention with unequal head widths on the CPU: the two reference paths side by side.
 
-    python -m bench.attention_cpu                       # fp32, the grid below, 2 threads
-    python -m bench.attention_cpu --dtype bfloat16 --threads 1
+    python -m bench.diagnostics.attention_cpu                       # fp32, the grid below, 2 threads
+    python -m bench.diagnostics.attention_cpu --dtype bfloat16 --threads 1
 
 For q, k [B, L, 1, dk] and v [B, L, 1, dv] (dk < dv; L / C chunks per sequence), causal, no padding, no
 dropout, forward + backward (or ``--forward-only``) of
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -1,9 +1,9 @@
 """What one Megalodon block stores for backward, per token: bytes by autograd node and saved tensor.
 
-    python -m bench.saved_bytes                          # megalodon_cpu_bench block, L = 2048
-    python -m bench.saved_bytes --preset megalodon_debug --length 256 --top 40
-    python -m bench.saved_bytes --preset lra_listops --length 2000 --batch 4 --baseline /tmp/mem_base
-    python -m bench.saved_bytes --preset lra_listops --length 2000 --batch 4 --bf16 --top 12   # under autocast
+    python -m bench.diagnostics.saved_bytes                          # megalodon_cpu_bench block, L = 2048
+    python -m bench.diagnostics.saved_bytes --preset megalodon_debug --length 256 --top 40
+    python -m bench.diagnostics.saved_bytes --preset lra_listops --length 2000 --batch 4 --baseline /tmp/mem_base
+    python -m bench.diagnostics.saved_bytes --preset lra_listops --length 2000 --batch 4 --bf16 --top 12   # under autocast
 
 ``--baseline PATH`` measures the same block with the code of another checkout (a ``git worktree`` of an older
 commit) in a subprocess and prints its table beside this one's: before / after.
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if os.environ.get("SAVED_BYTES_ROOT"):  # --baseline's subprocess: that checkout's code
     sys.path.insert(0, os.environ["SAVED_BYTES_ROOT"])
 
@@ -45,7 +45,7 @@ except ImportError:  # a checkout from before lean.py: nothing is rebuilt
         return False
 
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 
 
 def _load_memory():
@@ -144,7 +144,7 @@ def main() -> None:
         print(f"# before {before / 1024:.1f} KiB, after {after / 1024:.1f} KiB per token per layer "
               f"({after / before:.2f}x) -- {what}\n")  # fmt: skip
         print(table(old, old_live, tokens, args.top, f"before ({args.baseline})") + "\n")
-    print(table(rows, live, tokens, args.top, f"bench/saved_bytes.py ({what})"))
+    print(table(rows, live, tokens, args.top, f"bench/diagnostics/saved_bytes.py ({what})"))
 
 
 if __name__ == "__main__":
