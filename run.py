@@ -6,7 +6,7 @@ python run.py recipe=lra_listops resume=auto            # continue the latest ru
 python run.py recipe=lra_listops mode=test ckpt=PATH    # evaluate a checkpoint
 
 On Linux the process first restarts itself with tcmalloc preloaded where it is installed (faster and leaner
-than glibc's malloc for training on the CPU; ``mega_suite.malloc``); ``MEGA_MALLOC=system`` keeps glibc's.
+than glibc's malloc for training on the CPU; ``mega_suite.tools.malloc``); ``MEGA_MALLOC=system`` keeps glibc's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def one_line(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from mega_suite.settings import ConfigError, list_recipes, load_config
+    from mega_suite.config import ConfigError, list_recipes, load_config
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -42,12 +42,12 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         if cfg.mode == "plan":
-            from mega_suite.plan import plan
+            from mega_suite.tools.plan import plan
 
             print(plan(cfg))
             return 0
-        from mega_suite.lightning import NonFiniteLossError
-        from mega_suite.runner import run
+        from mega_suite.training.module import NonFiniteLossError
+        from mega_suite.training.runner import run
 
         try:
             metrics = run(cfg)
@@ -66,9 +66,9 @@ def main(argv: list[str]) -> int:
 
 
 def start() -> int:
-    """The command line's entry: the allocator first (``mega_suite.malloc``: may restart the process with
+    """The command line's entry: the allocator first (``mega_suite.tools.malloc``: may restart the process with
     tcmalloc preloaded; imports no torch), then ``main``."""
-    from mega_suite import malloc
+    from mega_suite.tools import malloc
 
     try:
         note = malloc.reexec(__file__)

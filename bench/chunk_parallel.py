@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, mode: str, total: int, steps: int,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from mega_suite.chunk_parallel import (
+    from mega_suite.distributed.chunk_parallel import (
         ChunkParallelContext,
         global_mean_loss,
         reduce_gradients,

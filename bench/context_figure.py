@@ -1,7 +1,7 @@
 """Perplexity against context length for several ``mode=eval_context`` runs on one plot and in one table.
 
 ``python -m bench.context_figure RUN_DIR RUN_DIR ... --out DIR`` reads each run's ``eval_context/*_ppl``
-TensorBoard scalars (step = context length, written by :func:`mega_suite.evaluate.write_report`) and the
+TensorBoard scalars (step = context length, written by :func:`mega_suite.evaluation.context.write_report`) and the
 first line of its ``eval_context.md`` (the model and how it sees context beyond its training window), and
 writes ``DIR/ppl_vs_context.md`` and ``DIR/ppl_vs_context.png`` (the paper's figure 5 for several models;
 a second panel shows each curve relative to its shortest context, where small changes are visible). A run whose model has a fixed window (Llama: ``window W``) gets a dotted vertical line at ``W``.
@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from mega_suite.compare import CompareError, read_scalars
+from mega_suite.evaluation.compare import CompareError, read_scalars
 
 PPL_TAGS = ("eval_context/word_ppl", "eval_context/token_ppl")
 

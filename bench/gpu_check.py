@@ -445,7 +445,7 @@ def block_step(kind: str, length: int, compile: bool | str = False):
     x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
     ct = torch.randn(1, length, 4096, device="cuda")
 
-    from mega_suite.settings import CUDAGRAPH_MODES
+    from mega_suite.config import CUDAGRAPH_MODES
 
     def step():
         if mode in CUDAGRAPH_MODES:

@@ -57,7 +57,7 @@ train() {
     wait_all
     for arch in megalodon llama; do dirs+=("$(latest "$arch-s$seed")"); done
   done
-  "$PYTHON" -m mega_suite.compare "${dirs[@]}" --group-by-seed --out "$OUT/loss_vs_tokens"
+  "$PYTHON" -m mega_suite.evaluation.compare "${dirs[@]}" --group-by-seed --out "$OUT/loss_vs_tokens"
 }
 
 context() {

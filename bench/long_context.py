@@ -59,8 +59,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from mega_suite.runner import run
-    from mega_suite.settings import load_config
+    from mega_suite.config import load_config
+    from mega_suite.training.runner import run
 
     samples: list[tuple[float, float]] = []
     stop = threading.Event()

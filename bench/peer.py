@@ -32,7 +32,7 @@ another time. Measurements:
 
 ``--malloc``: the allocator of every measuring process, both sides alike (``system``: glibc's malloc, the
 default; ``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does by default where tcmalloc is installed,
-``mega_suite.malloc``). The port's speed depends on it much more than ours (bench/RESULTS.md §23).
+``mega_suite.tools.malloc``). The port's speed depends on it much more than ours (bench/RESULTS.md §23).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from bench.common import (
     setup_threads,
     weight_read_floor,
 )
-from mega_suite import malloc
+from mega_suite.tools import malloc
 
 PRESET = "megalodon_cpu_bench"
 # our config field -> the port's MegalodonConfig keyword (same meaning)

@@ -21,7 +21,7 @@ tokens / median step time over ``--steps`` steps after two warm-up steps (``--co
 whose wall time is printed). Every (checkout, variant) runs in a fresh process with ``--threads`` threads;
 rounds alternate checkouts so the machine's load drifts over both alike: compare ratios within a round.
 ``--malloc``: the allocators each variant of this checkout runs under (``system``: glibc's malloc;
-``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does, ``mega_suite.malloc``; one not installed is left
+``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does, ``mega_suite.tools.malloc``; one not installed is left
 out with a note); the baseline runs under glibc's, as when the issue was written.
 """
 
@@ -42,7 +42,7 @@ import torch
 
 from bench.common import machine_description, markdown_table
 from bench.cpu_bar import matmul_peak_gflops
-from mega_suite import malloc
+from mega_suite.tools import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,10 @@ except ImportError:  # checkouts before the model registry
 spec = args["model"]
 model = create_model(spec["preset"], **spec["overrides"]).train()
 try:  # AdamW's kernels as the checkout's suite picks them (optim.implementation; for-loop before the key)
-    from mega_suite.settings import ADAMW_KERNELS, OptimSection
+    try:
+        from mega_suite.config import ADAMW_KERNELS, OptimSection
+    except ImportError:  # checkouts before the config package
+        from mega_suite.settings import ADAMW_KERNELS, OptimSection
     kernels = ADAMW_KERNELS[OptimSection().implementation]
 except ImportError:
     kernels = dict(foreach=False)
@@ -94,10 +97,13 @@ else:
 net = model
 compile_s = None
 if args["compile"]:  # as trainer.compile does: each block in place (one compiled graph shared by the blocks)
-    try:  # and with the checkout's Inductor options on the CPU (none before them)
-        from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+    try:  # and with the checkout's Inductor options on the CPU (older checkouts: settings, or none)
+        from mega_suite.training.module import CPU_INDUCTOR_OPTIONS
     except ImportError:
-        CPU_INDUCTOR_OPTIONS = {}
+        try:
+            from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+        except ImportError:
+            CPU_INDUCTOR_OPTIONS = {}
     if args.get("inductor_defaults"):
         CPU_INDUCTOR_OPTIONS = {}
     for unit in model.compile_units() if hasattr(model, "compile_units") else list(model.layers):
@@ -171,7 +177,7 @@ def main() -> None:
     ap.add_argument(
         "--inductor-defaults", action="store_true",
         help="with --compile: also each compiled variant with Inductor's default options instead of the "
-        "suite's (settings.CPU_INDUCTOR_OPTIONS), side by side",
+        "suite's (training.module.CPU_INDUCTOR_OPTIONS), side by side",
     )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

@@ -105,6 +105,9 @@ def collate_images(samples: list[dict]) -> dict:
 class ImageNetDataModule(L.LightningDataModule):
     """ImageNet-1K classification, DeiT recipe; see the module docstring for augmentation and batches."""
 
+    task = "classify"  # the data contract (config checks it against task and model.*)
+    input_type = "patch"  # [B, C, H, W] images
+
     def __init__(
         self,
         data_dir: str,

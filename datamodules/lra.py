@@ -206,6 +206,10 @@ class LRADataModule(L.LightningDataModule):
     Subclasses set the class attributes and implement ``build_datasets()`` -> {"train", "val", "test"}.
     """
 
+    task = (
+        "classify"  # the data contract: what it feeds the model (config checks it against task and model.*)
+    )
+
     vocab_size: int | None = None  # token vocabulary including PAD_ID; None for pixel tasks
     num_classes: int
     input_type: str  # "token" (int64 ids) or "scalar" (one float per position)

@@ -99,6 +99,9 @@ def word_ends(text: str, pieces) -> np.ndarray:
 class PG19DataModule(L.LightningDataModule):
     """PG-19 book-level language modelling; see the module docstring for the batch formats."""
 
+    task = "lm"  # the data contract (config checks it against task and model.*)
+    input_type = "token"
+
     def __init__(
         self,
         data_dir: str,

@@ -174,6 +174,9 @@ def _documents(path: Path, text_field: str) -> Iterator[str]:
 class PretrainDataModule(L.LightningDataModule):
     """Packed-sequence LLM pretraining data; see the module docstring for the layout and batch format."""
 
+    task = "lm"  # the data contract (config checks it against task and model.*)
+    input_type = "token"
+
     def __init__(
         self,
         data_dir: str,

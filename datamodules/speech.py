@@ -95,6 +95,9 @@ class SpeechCommandsDataset(Dataset):
 class SpeechCommandsDataModule(L.LightningDataModule):
     """SC10 raw-waveform classification (10 classes); see the module docstring for layout and batches."""
 
+    task = "classify"  # the data contract (config checks it against task and model.*)
+    input_type = "scalar"  # one float per step
+
     num_classes = len(SC10_WORDS)
 
     def __init__(

@@ -94,6 +94,9 @@ def build_vocabulary(train_file: str | os.PathLike) -> list[tuple[str, int]]:
 class WikiText103DataModule(L.LightningDataModule):
     """WikiText-103 word-level language modelling; see the module docstring for the batch formats."""
 
+    task = "lm"  # the data contract (config checks it against task and model.*)
+    input_type = "token"
+
     def __init__(
         self,
         data_dir: str,

@@ -1,6 +1,6 @@
 """mega-suite: Megalodon (and a Llama baseline), configurations and Lightning glue.
 
-The names below are imported on first use (PEP 562), so that ``import mega_suite.malloc`` (run.py's first
+The names below are imported on first use (PEP 562), so that ``import mega_suite.tools.malloc`` (run.py's first
 step, before the process may restart with another allocator) does not import torch."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from spawn_support import free_port, spawn
 
-from mega_suite.chunk_parallel import (
+from mega_suite.distributed.chunk_parallel import (
     ChunkParallelContext,
     _h0_term,
     global_mean_loss,
@@ -142,7 +142,7 @@ def _validation_step(model: MegalodonLM, rank: int, world: int) -> None:
     """CausalLM.validation_step under chunk parallelism: the ranks of a group read the same [B, L] batch and
     each scores its slice, so the NLL, token and word totals summed over the ranks are the single-process
     ones, each token counted once (L a multiple of P·C, and not: 37 tokens split unevenly)."""
-    from mega_suite.lightning import CausalLM
+    from mega_suite.training.module import CausalLM
 
     module = CausalLM(MegalodonConfig(**CFG), optim={}, trainer={}, total_steps=1)
     module.model = model.eval()
@@ -211,7 +211,7 @@ def _fsdp_worker(rank: int, world: int, port: int, cp_size: int, ref_path: str) 
     """(world / cp_size) data-parallel x cp_size chunk-parallel ranks, FSDP2 over all of them."""
     from torch.distributed.tensor import DTensor
 
-    from mega_suite.parallel import apply_fsdp
+    from mega_suite.distributed.fsdp import apply_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -322,7 +322,7 @@ def _bf16_check(rank: int, world: int) -> None:
     """bf16 autocast (SPEC §1: CEMA and the norms are float32 islands) with activation checkpointing: the
     exchanged states are float32, and the chunk-parallel loss and gradients are as close to the float64 full
     pass as the single-process bf16-mixed full pass is (test_precision.py's rule: <= 2 x its error + atol)."""
-    from mega_suite.chunk_parallel import ChunkParallelContext as Ctx
+    from mega_suite.distributed.chunk_parallel import ChunkParallelContext as Ctx
 
     sent: list[torch.dtype] = []
     gather, send = Ctx._gather_plain, Ctx._send
@@ -375,7 +375,7 @@ def _bf16_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
 def test_eval_context_split_across_two_ranks_equals_streaming():
     """mode=eval_context with trainer.chunk_parallel=2: every window split across 2 spawned ranks gives the
     single-rank streaming rows (float64); a window too short to split (4 tokens) is streamed by rank 0."""
-    from mega_suite.evaluate import eval_context, eval_context_chunk_parallel
+    from mega_suite.evaluation.context import eval_context, eval_context_chunk_parallel
 
     model = _model(torch.float64)
     g = torch.Generator().manual_seed(5)
@@ -399,8 +399,8 @@ def test_run_eval_context_with_chunk_parallel_2(tmp_path, capfd):
     from omegaconf import OmegaConf
 
     from datamodules.pg19 import PG19DataModule
-    from mega_suite.lightning import CausalLM
-    from mega_suite.runner import run_eval_context
+    from mega_suite.training.module import CausalLM
+    from mega_suite.training.runner import run_eval_context
 
     write_pg19(tmp_path)
     dm = PG19DataModule(str(tmp_path), batch_size=2, seq_len=32, eval_seq_len=24, vocab_size=320)

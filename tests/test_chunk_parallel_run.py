@@ -71,7 +71,7 @@ def test_two_chunk_parallel_ranks_log_the_single_process_losses(mode, tmp_path_f
 
 
 def test_chunk_parallel_configuration_errors(tmp_path):
-    from mega_suite.settings import ConfigError, load_config
+    from mega_suite.config import ConfigError, load_config
 
     base = [*SMALL_LM, f"data.data_dir={tmp_path}", "trainer.devices=2"]
     with pytest.raises(ConfigError, match="trainer.strategy=fsdp"):

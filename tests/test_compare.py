@@ -1,4 +1,4 @@
-"""mega_suite.compare on run directories written like the runner's: SummaryWriter events + config.yaml."""
+"""mega_suite.evaluation.compare on run directories written like the runner's: SummaryWriter events + config.yaml."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-from mega_suite.compare import CompareError, compare, main
+from mega_suite.evaluation.compare import CompareError, compare, main
 
 TRAIN = {0: 8.0, 1: 7.0, 2: 6.5, 3: 6.0, 4: 5.5}  # step -> train/loss of seed 1; seed 2 adds `shift`
 VAL = {2: 6.8, 4: 6.9}  # val/loss; the best is at step 2

@@ -18,7 +18,7 @@ import pytest
 import test_model as tm
 import torch
 
-from mega_suite.lightning import CausalLM, SequenceClassifier
+from mega_suite.training.module import CausalLM, SequenceClassifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = dict(compile=True, compile_backend="aot_eager")
@@ -131,9 +131,9 @@ def test_inductor_on_cuda_equals_eager(kind, monkeypatch):
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     """``trainer.compile_mode`` is passed to each block's ``compile`` (for "default" on the CPU, Inductor's
-    options ``settings.CPU_INDUCTOR_OPTIONS`` instead: torch.compile takes one or the other), and a
+    options ``training.module.CPU_INDUCTOR_OPTIONS`` instead: torch.compile takes one or the other), and a
     CUDA-graph mode marks a new step at every training batch (``torch.compiler.cudagraph_mark_step_begin``)."""
-    from mega_suite.settings import CPU_INDUCTOR_OPTIONS
+    from mega_suite.training.module import CPU_INDUCTOR_OPTIONS
 
     calls, marks = [], []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega_suite.settings import ConfigError, load_config
+from mega_suite.config import ConfigError, load_config
 
 
 def test_max_length_is_rejected_where_the_data_module_does_not_use_it(tmp_path):
@@ -86,7 +86,7 @@ def test_label_smoothing_is_honoured_without_mixup():
     """DeiT's label smoothing 0.1 applies to hard labels too: with mixup and cutmix off it was ignored."""
     import torch
 
-    from mega_suite.runner import build_run_module, model_config_for
+    from mega_suite.training.runner import build_run_module, model_config_for
 
     cfg = load_config(
         ["recipe=imagenet", "data.options.mixup_alpha=0", "data.options.cutmix_alpha=0",
@@ -104,26 +104,33 @@ def test_label_smoothing_is_honoured_without_mixup():
     torch.testing.assert_close(module.loss(logits, label), expected, rtol=1e-12, atol=0)
 
 
-def test_every_data_module_has_a_contract_that_agrees_with_its_class():
+def test_every_data_module_declares_its_contract():
+    """Each data module's class says what it feeds the model (task, input type, document pairs): the one
+    place the configuration checks read; a classifier's data has a class count."""
     from datamodules import DATAMODULES
-    from mega_suite.settings import DATA_CONTRACTS
+    from mega_suite.config import ConfigError, data_contract
 
-    assert set(DATA_CONTRACTS) == set(DATAMODULES)
+    inputs = {"listops": "token", "lra_text": "token", "lra_retrieval": "token", "lra_image": "scalar",
+              "lra_pathfinder": "scalar", "lra_pathx": "scalar", "sc_raw": "scalar", "imagenet": "patch"}  # fmt: skip
     for name, cls in DATAMODULES.items():
-        contract = DATA_CONTRACTS[name]
-        if isinstance(getattr(cls, "input_type", None), str):
-            assert contract.input_type == cls.input_type, name
-        if isinstance(getattr(cls, "is_retrieval", None), bool):
-            assert contract.dual_input == cls.is_retrieval, name
+        contract = data_contract(cls)
+        assert contract.input_type == inputs.get(name, "token"), name
+        assert contract.dual_input == (name == "lra_retrieval"), name
         assert (contract.task == "classify") == (
             isinstance(getattr(cls, "num_classes", None), int)
             or "num_classes" in cls.__init__.__code__.co_varnames
         ), name
 
+    class Undeclared:
+        pass
+
+    with pytest.raises(ConfigError, match="declares no task"):
+        data_contract(Undeclared)
+
 
 def test_wt103_global_batch_is_the_papers_147456_tokens_on_any_device_count():
     """6144 tokens x 24 GPUs; sequences of k ~ U{2..6} chunks of 2048 tokens average 8192 tokens."""
-    from mega_suite.runner import apply_global_batch
+    from mega_suite.training.runner import apply_global_batch
 
     for devices, accumulate in ((1, 18), (8, 2), (24, 1)):
         cfg = load_config(["recipe=wt103", f"trainer.devices={devices}"])
@@ -164,7 +171,7 @@ def test_cuda_graph_compile_modes_refuse_what_breaks_them(override, match):
 def test_cuda_graph_mode_refuses_the_accumulation_a_global_batch_sets():
     """trainer.global_batch_tokens sets the accumulation after loading (runner.apply_global_batch): the
     check runs there again."""
-    from mega_suite.runner import apply_global_batch
+    from mega_suite.training.runner import apply_global_batch
 
     cfg = load_config(["recipe=kjv", "trainer.compile=true", "trainer.compile_mode=reduce-overhead",
                        "trainer.global_batch_tokens=1000000", "trainer.accelerator=cpu"])  # fmt: skip
@@ -178,7 +185,7 @@ def test_float32_matmul_precision_is_checked_and_set_by_every_run(tmp_path):
     default, so that one run's choice does not leak into the next run of the same process."""
     import torch
 
-    from mega_suite.runner import build_trainer
+    from mega_suite.training.runner import build_trainer
 
     with pytest.raises(ConfigError, match=r"float32_matmul_precision='tf32'; expected one of highest, high"):
         load_config(["recipe=debug", "trainer.float32_matmul_precision=tf32"])

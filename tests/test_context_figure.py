@@ -7,7 +7,7 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 from bench.context_figure import main
-from mega_suite.evaluate import write_report
+from mega_suite.evaluation.context import write_report
 
 
 def eval_run(root: Path, name: str, ppl: dict[int, float], note: str) -> Path:

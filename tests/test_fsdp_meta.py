@@ -65,7 +65,7 @@ def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from mega_suite.parallel import apply_fsdp, init_sharded, resident_parameter_bytes
+    from mega_suite.distributed.fsdp import apply_fsdp, init_sharded, resident_parameter_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -147,7 +147,7 @@ def fake_world_4():
 def test_mesh_shapes(fake_world_4):
     """fsdp: one 1-D mesh over every rank of every node; hsdp on 2 nodes x 2 devices: (replicate 2, shard 2);
     rank 3 is data-parallel rank 3 of 4 under both (every rank sees different batches)."""
-    from mega_suite.parallel import build_mesh, data_parallel_rank
+    from mega_suite.distributed.fsdp import build_mesh, data_parallel_rank
 
     fsdp = build_mesh(4, 2, "fsdp")
     assert fsdp.mesh_dim_names == ("dp_shard",) and tuple(fsdp.shape) == (4,)
@@ -161,7 +161,7 @@ def test_mesh_shapes(fake_world_4):
 
 
 def test_mesh_rejects_bad_sizes():
-    from mega_suite.parallel import mesh_shape
+    from mega_suite.distributed.fsdp import mesh_shape
 
     with pytest.raises(ValueError, match="num_nodes=3"):
         mesh_shape(4, 3, "hsdp")
@@ -180,7 +180,8 @@ def test_evaluation_samplers_split_over_every_data_parallel_rank(fake_world_4):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.utils.data import DistributedSampler
 
-    from mega_suite.parallel import build_mesh, make_strategy
+    from mega_suite.distributed.fsdp import build_mesh
+    from mega_suite.training.strategy import make_strategy
 
     lightning_default = ModelParallelStrategy()
     lightning_default._device_mesh = DeviceMesh(
@@ -200,7 +201,8 @@ def test_evaluation_samplers_split_over_every_data_parallel_rank(fake_world_4):
 def _load_worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from mega_suite.parallel import apply_fsdp, init_sharded, load_full_weights
+    from mega_suite.distributed.fsdp import apply_fsdp, init_sharded
+    from mega_suite.training.checkpoint import load_full_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -60,7 +60,7 @@ def _metrics(out: str) -> dict:
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from mega_suite.checkpoint import sharded_model_state
+    from mega_suite.training.checkpoint import sharded_model_state
 
     return sharded_model_state(run_dir / "checkpoints" / "last.ckpt")
 
@@ -112,7 +112,14 @@ def test_fsdp_sigterm_resume_consolidate_and_test(kjv_dir, tmp_path):
         _run(_args(kjv_dir, *FSDP2, *whole, "mode=test", f"ckpt={full_dir}/checkpoints/last.ckpt", runs))
     )
     out_pt = tmp_path / "consolidated.pt"
-    consolidate = [sys.executable, "-m", "mega_suite.checkpoint", "consolidate", str(full_dir), str(out_pt)]
+    consolidate = [
+        sys.executable,
+        "-m",
+        "mega_suite.training.checkpoint",
+        "consolidate",
+        str(full_dir),
+        str(out_pt),
+    ]
     subprocess.run(consolidate, cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=200)
     single = _metrics(_run(_args(kjv_dir, "trainer.devices=1", *whole, "mode=test", f"ckpt={out_pt}", runs)))
     assert sharded["test/loss"] == pytest.approx(single["test/loss"], rel=1e-5)

@@ -15,7 +15,7 @@ class CountValidations(L.Callback):
         self.after_stop = 0
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        from mega_suite.callbacks import GracefulStop
+        from mega_suite.training.callbacks import GracefulStop
 
         if any(isinstance(cb, GracefulStop) and cb.requested for cb in trainer.callbacks):
             self.after_stop += 1
@@ -24,7 +24,7 @@ class CountValidations(L.Callback):
 def test_no_validation_after_a_stop_request(listops_dir, tmp_path):  # noqa: F811
     """Lightning validates when ``should_stop`` is set (as for early stopping); a stop request must not: on
     a real split that validation takes minutes, and the scheduler's SIGKILL follows."""
-    from mega_suite.runner import run
+    from mega_suite.training.runner import run
 
     counter = CountValidations()
     cfg = tiny_config(listops_dir, tmp_path, "trainer.max_steps=8", "trainer.val_check_interval=100000")
@@ -37,7 +37,7 @@ def test_no_validation_after_a_stop_request(listops_dir, tmp_path):  # noqa: F81
 def test_stop_under_accumulation_waits_for_the_window_and_resumes_exactly(listops_dir, tmp_path):  # noqa: F811
     """accumulate_grad_batches=2: a stop requested in the first micro-batch of step 3 saves after step 3's
     optimizer step (never half a window), and resuming reaches the uninterrupted run's weights exactly."""
-    from mega_suite.runner import run
+    from mega_suite.training.runner import run
 
     steps = ["trainer.max_steps=5", "trainer.val_check_interval=100000", "trainer.accumulate_grad_batches=2"]
     full = run(tiny_config(listops_dir, tmp_path / "a", *steps))
@@ -56,7 +56,7 @@ def test_sharded_checkpoint_replacement_survives_a_kill(tmp_path):
     """A sharded checkpoint is a directory: replaced through <path>.old. A kill before the swap leaves the
     previous checkpoint in place; a kill between the two renames leaves it in <path>.old, which resuming
     puts back; after the swap only the new one remains."""
-    from mega_suite.callbacks import recover_checkpoint, replace_checkpoint
+    from mega_suite.training.checkpoint import recover_checkpoint, replace_checkpoint
 
     last = tmp_path / "last.ckpt"
     last.mkdir()

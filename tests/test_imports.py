@@ -94,6 +94,44 @@ def test_no_import_cycles():
     )
 
 
+# Lower layers first: a module may import its own layer and the layers before it, never a later one.
+LAYERS = (
+    "kernels",
+    "datamodules",
+    "mega_suite.models",
+    "mega_suite.config",
+    "mega_suite.tools",
+    "mega_suite.distributed",
+    "mega_suite.evaluation",
+    "mega_suite.training",
+)
+
+
+def layer_of(module: str) -> int | None:
+    return next((i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        mine = layer_of(module)
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                bad.append(f"{module} imports {target} (layer {LAYERS[theirs]} is above {LAYERS[mine]})")
+    return bad
+
+
+def test_imports_run_one_way_between_layers():
+    bad = upward_imports(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_an_upward_import_is_found():
+    assert upward_imports({"mega_suite.models.lm": {"mega_suite.training.runner"}}) != []
+    assert upward_imports({"mega_suite.training.runner": {"mega_suite.models.lm"}}) == []
+
+
 def test_the_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]

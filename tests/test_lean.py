@@ -173,7 +173,7 @@ def test_block_keeps_alive_only_what_it_saves(classifier, rebuild, bf16):
     (V, X̂ W_v + b, M W_r + b, the FFN's u W_1 and u W_3) are freed, not kept by their rebuild closures. Under
     bf16 autocast too, where each Linear stores its own bf16 copy of its input: the rebuilds must read those,
     not keep the float32 M and u alive beside them."""
-    from mega_suite.memory import malloc_live_bytes, stored_for_backward
+    from mega_suite.tools.memory import malloc_live_bytes, stored_for_backward
 
     try:
         malloc_live_bytes()
@@ -252,8 +252,8 @@ def test_checkpointed_blocks_store_only_their_inputs(rebuild):
     for checkpointing's own (only the innermost pair applies; before, attention's Q, K, O and statistics
     were stored inside every checkpointed block). Stored here: two block inputs, the final norm's input, the
     head's input and the token ids."""
-    from mega_suite.memory import stored_for_backward
     from mega_suite.models import build_model
+    from mega_suite.tools.memory import stored_for_backward
 
     cfg = tm.tiny_config(chunk_size=256, num_layers=2, recompute_linears=rebuild)
     torch.manual_seed(0)

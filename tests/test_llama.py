@@ -195,7 +195,7 @@ def test_autocast_linears_share_one_stored_input():
     """Under bf16 autocast W_q, W_k, W_v store one bf16 copy of the attention norm's output and W_1, W_3 one
     of the FFN norm's (each Linear cast its input itself before: five copies per block, not two), the same
     single cast as Megalodon's blocks (a fair memory comparison). The third D-wide input is W_o's."""
-    from mega_suite.memory import stored_for_backward
+    from mega_suite.tools.memory import stored_for_backward
 
     model = make(dtype=torch.float32, num_layers=1).train()
     x = tokens(2, 12)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from modality_fixtures import write_pg19
 
-from mega_suite.evaluate import documents_from_segments, eval_context, write_report
-from mega_suite.lightning import CausalLM
+from mega_suite.evaluation.context import documents_from_segments, eval_context, write_report
 from mega_suite.models.megalodon.config import MegalodonConfig
-from mega_suite.runner import ValWithTest
+from mega_suite.training.module import CausalLM
+from mega_suite.training.runner import ValWithTest
 
 CFG = dict(
     num_layers=2, model_dim=16, num_heads=1, z_dim=8, value_dim=16, ffn_hidden_dim=16, cema_ndim=4,
@@ -184,9 +184,9 @@ def test_pg19_small_recipe_limited_validation_is_consistent_with_full(tmp_path):
     same size as the full one (it used to be 1.75 against 348,982)."""
     from omegaconf import OmegaConf
 
-    from mega_suite.lightning import build_module
-    from mega_suite.runner import build_datamodule, model_config_for, run
-    from mega_suite.settings import load_config
+    from mega_suite.config import load_config
+    from mega_suite.training.module import build_module
+    from mega_suite.training.runner import build_datamodule, model_config_for, run
 
     data = tmp_path / "data"
     texts = write_pg19(data)

@@ -1,4 +1,4 @@
-"""mega_suite.malloc: which allocator run.py preloads, the restart, its loop guard and its errors."""
+"""mega_suite.tools.malloc: which allocator run.py preloads, the restart, its loop guard and its errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_suite import malloc
+from mega_suite.tools import malloc
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
@@ -74,7 +74,7 @@ def test_restart_env_keeps_the_users_settings():
 def test_package_import_does_not_import_torch():
     """run.py restarts the process before torch is imported (1.4 s): mega_suite's own import must not
     pull it in (its exports load on first use)."""
-    proc = _python("import sys, mega_suite.malloc; print('torch' in sys.modules)", {})
+    proc = _python("import sys, mega_suite.tools.malloc; print('torch' in sys.modules)", {})
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
     proc = _python(
         "import mega_suite; print(mega_suite.create_model.__module__, mega_suite.models.__name__)", {}
@@ -83,7 +83,7 @@ def test_package_import_does_not_import_torch():
 
 
 CHILD = (
-    "import os, sys; from mega_suite import malloc; note = malloc.reexec(); "
+    "import os, sys; from mega_suite.tools import malloc; note = malloc.reexec(); "
     "print(os.environ.get('LD_PRELOAD', ''), malloc.loaded(os.environ.get(malloc.ENV) or 'libc.so.6'), "
     "sep='|'); print(note)"
 )

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mega_suite.lightning import CausalLM, SequenceClassifier, lr_lambda
 from mega_suite.models.megalodon.config import MegalodonConfig
+from mega_suite.training.module import CausalLM, SequenceClassifier, lr_lambda
 
 TINY = dict(
     num_layers=2, model_dim=16, num_heads=2, z_dim=8, value_dim=16, ffn_hidden_dim=16, cema_ndim=4,
@@ -243,7 +243,7 @@ def test_adamw_implementation_is_used_and_steps_as_adamw(implementation):
 
 
 def test_default_implementation_is_fused():
-    from mega_suite.settings import OptimSection
+    from mega_suite.config import OptimSection
 
     assert OptimSection().implementation == "fused"
     opt = lm_module().configure_optimizers()["optimizer"]  # a config without the key (an older run): fused

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, arch: str = "megalo
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from mega_suite.parallel import apply_fsdp
+    from mega_suite.distributed.fsdp import apply_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -117,7 +117,7 @@ def _bf16_forward(model, tokens):
 def _bf16_worker(rank: int, world: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
-    from mega_suite.parallel import apply_fsdp
+    from mega_suite.distributed.fsdp import apply_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -34,7 +34,7 @@ def test_plan_of_the_7b_prints_the_table_without_allocating():
 
 def test_measured_activations_grow_with_layers_and_width():
     from mega_suite.models.megalodon.config import MegalodonConfig
-    from mega_suite.plan import _scaled, saved_bytes
+    from mega_suite.tools.plan import _scaled, saved_bytes
 
     cfg = MegalodonConfig(
         num_layers=2, model_dim=64, num_heads=2, z_dim=32, value_dim=64, ffn_hidden_dim=64, cema_ndim=2,
@@ -51,8 +51,8 @@ def test_measured_activations_grow_with_layers_and_width():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_recipe_has_a_plan():
-    from mega_suite.plan import plan
-    from mega_suite.settings import list_recipes, load_config
+    from mega_suite.config import list_recipes, load_config
+    from mega_suite.tools.plan import plan
 
     for name in list_recipes():
         out = plan(load_config([f"recipe={name}", "mode=plan"]))

@@ -20,8 +20,8 @@ from mega_suite import (
     create_model,
     get_config,
 )
-from mega_suite.checkpoint import from_reference, load_reference, load_reference_file, to_reference
 from mega_suite.models.megalodon import PRESETS as MEGALODON_PRESETS
+from mega_suite.training.checkpoint import from_reference, load_reference, load_reference_file, to_reference
 
 MEGALODON = sorted(MEGALODON_PRESETS)  # the registry also holds the Llama sizes (tests/test_models.py)
 

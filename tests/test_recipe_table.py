@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega_suite.settings import list_recipes, load_config
+from mega_suite.config import list_recipes, load_config
 
 # Small tasks (SPEC §9): "linear warmup then linear decay to 0; Adam(W) β (0.9, 0.98), clip 1.0".
 _SMALL = dict(betas=(0.9, 0.98), schedule="linear", min_lr_ratio=0.0, clip=1.0)

@@ -22,8 +22,8 @@ from modality_fixtures import (
     write_wikitext,
 )
 
-from mega_suite.runner import run
-from mega_suite.settings import list_recipes, load_config
+from mega_suite.config import list_recipes, load_config
+from mega_suite.training.runner import run
 
 SMALL = [
     "model.num_layers=1",
@@ -171,7 +171,7 @@ def test_llama_baseline_trains_on_every_lm_recipe(recipe, lra, data_root, tmp_pa
 
 
 def test_llama_rejects_adaptive_softmax_and_classification(lra, data_root, tmp_path):
-    from mega_suite.settings import ConfigError
+    from mega_suite.config import ConfigError
 
     wt103 = ["recipe=wt103", f"run_root={tmp_path}", *SMALL, *overrides_for("wt103", lra.data_dir, data_root)]
     with pytest.raises(ConfigError, match="adaptive"):

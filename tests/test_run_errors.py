@@ -84,9 +84,11 @@ def test_the_summary_line_is_rank_zeros_alone(rank, monkeypatch, tmp_path, capsy
     (``done: {...}{...}``, a 2-rank FSDP2 test run failed parsing it)."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    import mega_suite.runner
+    import mega_suite.training.runner
 
-    monkeypatch.setattr(mega_suite.runner, "run", lambda cfg: {"test/loss": 1.5, "run_dir": "runs/x"})
+    monkeypatch.setattr(
+        mega_suite.training.runner, "run", lambda cfg: {"test/loss": 1.5, "run_dir": "runs/x"}
+    )
     monkeypatch.setattr(rank_zero_only, "rank", rank)
     assert entry.main(["recipe=debug", f"run_root={tmp_path}"]) == 0
     out = capsys.readouterr().out

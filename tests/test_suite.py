@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_suite.settings import ConfigError, load_config
+from mega_suite.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_config_errors_name_key_value_and_suggestions():
 
 
 def test_every_recipe_resolves():
-    from mega_suite.settings import list_recipes
+    from mega_suite.config import list_recipes
 
     recipes = list_recipes()
     for name in ("lra_listops", "lra_pathx_chunk", "wt103", "pg19", "llm_7b", "sc_raw", "imagenet", "debug"):
@@ -84,7 +84,7 @@ class StopAt:
     def __call__(self):
         import lightning as L
 
-        from mega_suite.callbacks import GracefulStop
+        from mega_suite.training.callbacks import GracefulStop
 
         outer = self
 
@@ -104,7 +104,7 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_reaches_the_same_weights(listops_dir, tmp_path, capsys):
-    from mega_suite.runner import run
+    from mega_suite.training.runner import run
 
     steps = ["trainer.max_steps=6", "trainer.val_check_interval=4"]
     full = run(tiny_config(listops_dir, tmp_path / "a", *steps))
@@ -160,7 +160,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(listops_dir, tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    from mega_suite.callbacks import AtomicCheckpointIO
+    from mega_suite.training.checkpoint import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"
@@ -182,8 +182,8 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_non_finite_loss_stops_with_clear_error_and_keeps_checkpoint(listops_dir, tmp_path):
     import lightning as L
 
-    from mega_suite.lightning import NonFiniteLossError
-    from mega_suite.runner import run
+    from mega_suite.training.module import NonFiniteLossError
+    from mega_suite.training.runner import run
 
     class PoisonAt(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -201,7 +201,7 @@ def test_non_finite_loss_stops_with_clear_error_and_keeps_checkpoint(listops_dir
 
 
 def test_init_from_starts_a_new_run_from_checkpoint_weights(listops_dir, tmp_path):
-    from mega_suite.runner import run
+    from mega_suite.training.runner import run
 
     source = run(
         tiny_config(listops_dir, tmp_path / "a", "trainer.max_steps=2", "trainer.val_check_interval=2")
@@ -235,7 +235,7 @@ def test_sigterm_at_an_epoch_end_still_saves(listops_dir, tmp_path):
     the epoch boundary (SIGTERMException) before GracefulStop saw it; GracefulStop must still save."""
     import lightning as L
 
-    from mega_suite.runner import run
+    from mega_suite.training.runner import run
 
     killed_at = []
 

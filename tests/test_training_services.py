@@ -11,8 +11,8 @@ import torch
 from modality_fixtures import write_wikitext
 
 from mega_suite import MegalodonConfig
-from mega_suite.callbacks import TokenThroughput
-from mega_suite.lightning import SequenceClassifier
+from mega_suite.training.callbacks import TokenThroughput
+from mega_suite.training.module import SequenceClassifier
 
 TINY_MODEL = dict(
     num_layers=1, model_dim=8, z_dim=4, value_dim=8, ffn_hidden_dim=8, norm_num_groups=2, cema_ndim=2,
@@ -65,7 +65,7 @@ class _Inner(L.LightningDataModule):
 def test_val_with_test_forwards_the_trainer_hooks_and_attributes():
     """Lightning attaches the trainer to, and calls batch hooks on, the wrapper only: ImageNet's mixup (in
     on_after_batch_transfer) was never applied and the inner samplers saw rank 0 of 1."""
-    from mega_suite.runner import ValWithTest
+    from mega_suite.training.runner import ValWithTest
 
     inner = _Inner()
     wrapped = ValWithTest(inner)
@@ -116,8 +116,8 @@ class _Recorder(L.Callback):
 def test_throughput_logs_tokens_samples_flops_and_mfu_of_each_step(tmp_path, monkeypatch):
     from lightning.pytorch.callbacks import throughput_monitor
 
-    from mega_suite.runner import run
-    from mega_suite.settings import load_config
+    from mega_suite.config import load_config
+    from mega_suite.training.runner import run
 
     write_wikitext(tmp_path)
     clock = _Clock()

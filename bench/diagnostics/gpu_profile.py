@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = ap.parse_args(argv)
     modes = tuple(args.modes.split(","))
-    from mega_suite.settings import COMPILE_MODES
+    from mega_suite.config import COMPILE_MODES
 
     if any(m not in ("eager", *COMPILE_MODES) for m in modes):
         ap.error(f"--modes {args.modes}: each of eager, {', '.join(COMPILE_MODES)}")

@@ -35,7 +35,7 @@ def init_linear(linear: nn.Linear) -> None:
 # coefficients and FFT / scan), every norm's statistics and the logits stay float32 -- float64 in a float64
 # model. The modules that must stay float32 are declared once, with ``@float32_island``: their forward
 # runs with autocast off and low-precision inputs upcast. ``Backbone.float32_modules()`` lists them, and
-# FSDP2 (mega_suite.parallel) gives exactly those modules float32 parameters. The residual stream is float32
+# FSDP2 (mega_suite.distributed.fsdp) gives exactly those modules float32 parameters. The residual stream is float32
 # under every strategy: islands return float32, and a bf16 branch added to the float32 stream promotes.
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -34,7 +34,7 @@ class TimestepNorm(nn.Module):
     count 0, which is the same thing while the count is 0.
     """
 
-    chunk_parallel = None  # a mega_suite.chunk_parallel.ChunkParallelContext while attached
+    chunk_parallel = None  # a mega_suite.distributed.chunk_parallel.ChunkParallelContext while attached
 
     def __init__(self, dim: int, num_groups: int, eps: float = 1e-5, causal: bool = True):
         super().__init__()
@@ -101,7 +101,7 @@ class ComplexEMA(nn.Module):
     """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
 
     no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
-    chunk_parallel = None  # a mega_suite.chunk_parallel.ChunkParallelContext while attached
+    chunk_parallel = None  # a mega_suite.distributed.chunk_parallel.ChunkParallelContext while attached
 
     def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
         super().__init__()

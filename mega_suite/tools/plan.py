@@ -9,7 +9,7 @@ hsdp: the devices of a node; ddp / one device: 1):
   largest unit's parameter count, b = 2 bytes under bf16-mixed (4 otherwise);
 - activations: **measured**, not guessed. One- and two-layer models of the same architecture and heads run
   one forward on CPU over one attention context (the chunk, or the window);
-  walking the autograd graph counts the bytes it stores for backward (``mega_suite.memory``; parameters
+  walking the autograd graph counts the bytes it stores for backward (``mega_suite.tools.memory``; parameters
   and tensors rebuilt in backward excluded); two layers minus one = bytes per token per layer. Measured at (width/16, context/16),
   (width/8, context/16) and (width/16, context/8) (widths: model_dim, z_dim, value_dim, ffn_hidden_dim),
   fitted as a + b·D + g·c (chunked attention keeps h·c scores per token) and evaluated at the recipe's
@@ -30,6 +30,11 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+
+from mega_suite.config import data_module, data_option, device_count, model_config
+from mega_suite.models import build_model, count_parameters
+from mega_suite.models.megalodon.lean import is_rebuilt
+from mega_suite.tools.memory import stored_for_backward
 
 GIB = 1024**3
 _WIDTHS = ("model_dim", "z_dim", "value_dim", "ffn_hidden_dim")
@@ -81,9 +86,6 @@ def saved_bytes(mcfg, length: int, bf16: bool) -> int:
     """Bytes autograd stores for backward in one forward of ``build_model(mcfg)`` (parameters excluded),
     found by walking the graph: tensors a model's own saved-tensor hooks rebuild in backward do not count,
     and those saved inside such hooks do (a counting hook around the forward would see neither)."""
-    from mega_suite.memory import stored_for_backward
-    from mega_suite.models import build_model
-    from mega_suite.models.megalodon.lean import is_rebuilt
 
     torch.manual_seed(0)
     model = build_model(mcfg)
@@ -141,9 +143,6 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
 
 
 def plan(cfg: DictConfig) -> str:
-    from mega_suite.models import build_model, count_parameters
-    from mega_suite.runner import device_count
-    from mega_suite.settings import data_option, model_config
 
     mcfg = model_config(cfg)
     with torch.device("meta"):
@@ -228,7 +227,6 @@ def plan(cfg: DictConfig) -> str:
 
 
 def _default_length(cfg: DictConfig) -> int | None:
-    from mega_suite.settings import data_module
 
     cls, _ = data_module(cfg)
     import sys

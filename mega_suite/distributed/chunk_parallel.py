@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from kernels.cema import cema
 from kernels.timestep_norm import merge_norm_states, timestep_norm
+from mega_suite.models.megalodon.layers import ComplexEMA, TimestepNorm
 
 __all__ = [
     "ChunkParallelContext",
@@ -376,7 +377,6 @@ def _h0_term(c: Tensor, log_q: Tensor, length: int) -> Tensor:
 
 def attach(model: nn.Module, cp: ChunkParallelContext | None) -> list[nn.Module]:
     """Set (or clear, with None) the chunk-parallel hook of every causal TimestepNorm and CEMA in ``model``."""
-    from mega_suite.models.megalodon.layers import ComplexEMA, TimestepNorm
 
     modules = [
         m

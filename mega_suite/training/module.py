@@ -18,9 +18,16 @@ import torchmetrics
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
+from mega_suite.config import ADAMW_KERNELS, CUDAGRAPH_MODES
+from mega_suite.distributed.chunk_parallel import attach, global_mean_loss, slice_batch, slice_bounds
+from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, init_sharded, uses_model_parallel
 from mega_suite.models import build_model
-from mega_suite.settings import ADAMW_KERNELS, CPU_INDUCTOR_OPTIONS
+from mega_suite.training.checkpoint import load_full_weights
 
+# Inductor options of ``trainer.compile`` on the CPU: a buffer read by several kernels is materialised once
+# rather than recomputed inside each (with the default, the compiled backward fused the attention's key /
+# value gradients and the RoPE backward into one scalar loop; bench/RESULTS.md, CPU training). Not used on GPUs.
+CPU_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
 STAGES = ("val", "test")
 
 
@@ -62,7 +69,7 @@ class SuiteModule(L.LightningModule):
         # Strategies that shard build the model on the meta device: no rank ever holds the whole model;
         # configure_model shards, materialises the local shards and initialises them (seeded by init_seed).
         self.meta_init, self.init_seed = meta_init, init_seed
-        # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.parallel)
+        # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.distributed.fsdp)
         self.chunk_parallel = None
         self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
         if meta_init:
@@ -77,8 +84,6 @@ class SuiteModule(L.LightningModule):
         """Meta -> shard -> materialise -> initialise (torchtitan's order). Lightning calls this in every
         trainer entry point; a model sharded already is left alone."""
         from torch.distributed.fsdp import FSDPModule
-
-        from mega_suite.parallel import apply_fsdp, data_parallel_mesh, uses_model_parallel
 
         sharded = uses_model_parallel(self)
         if sharded and not isinstance(self.model, FSDPModule):
@@ -102,7 +107,7 @@ class SuiteModule(L.LightningModule):
         checkpoints do not change (no ``_orig_mod.`` prefix), and methods other than ``forward`` that
         training calls (the LM's ``forward_hidden``) run compiled blocks too; a wrapped whole model would
         compile only ``forward``, which language-model training never calls. On the CPU (mode "default"),
-        with ``settings.CPU_INDUCTOR_OPTIONS``."""
+        with ``CPU_INDUCTOR_OPTIONS``."""
         if not self.trainer_cfg.get("compile", False):
             return
         backend = self.trainer_cfg.get("compile_backend", "inductor")
@@ -120,14 +125,11 @@ class SuiteModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """With CUDA-graph compile modes, a new training step begins here: the graphs' outputs of the last
         step may be overwritten (``torch.compiler.cudagraph_mark_step_begin``; no effect on the CPU)."""
-        from mega_suite.settings import CUDAGRAPH_MODES
-
         if self.trainer_cfg.get("compile", False) and self.trainer_cfg.get("compile_mode") in CUDAGRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
 
     def materialize(self, sharded: bool) -> None:
         """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
-        from mega_suite.parallel import init_sharded
 
         self.model.to_empty(device=self.device)
         with torch.random.fork_rng(devices=[]):
@@ -138,8 +140,6 @@ class SuiteModule(L.LightningModule):
             else:
                 self.model.init_weights()
         if self.weights_from is not None:
-            from mega_suite.parallel import load_full_weights
-
             load_full_weights(self.model, self.weights_from)
 
     # ----------------------------------------------------------------- optimisation
@@ -333,8 +333,6 @@ class CausalLM(SuiteModule):
         """
         import torch.distributed as dist
 
-        from mega_suite.chunk_parallel import global_mean_loss, slice_batch
-
         nll, count = self.lm_loss(slice_batch(batch, cp.rank, cp.world, self.model.cfg.chunk_size))
         share = global_mean_loss(nll, count, cp)
         mean = share.detach().clone()
@@ -346,7 +344,6 @@ class CausalLM(SuiteModule):
         of training when P·C divides L, else ceil(L/P) rounded up to C, the last shorter), run with the
         group's state exchange. Returns (hidden, target) of the slice: the NLL sums of the group's ranks add
         up to the whole batch's, each token counted once."""
-        from mega_suite.chunk_parallel import slice_bounds
 
         length, chunk = batch["input"].shape[1], self.model.cfg.chunk_size
         bounds = slice_bounds(length, cp.world, chunk, even=length % (cp.world * chunk) == 0)
@@ -360,14 +357,10 @@ class CausalLM(SuiteModule):
         # The chunk-parallel hooks stay attached through the backward (activation checkpointing recomputes
         # the norms and CEMA there) and are cleared before any evaluation, which attaches its own.
         if self.chunk_parallel is not None:
-            from mega_suite.chunk_parallel import attach
-
             attach(self.model, self.chunk_parallel)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.chunk_parallel is not None:
-            from mega_suite.chunk_parallel import attach
-
             attach(self.model, None)
 
     def on_validation_epoch_start(self) -> None:

@@ -12,24 +12,40 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mega_suite.callbacks import (
-    AtomicCheckpointIO,
+from mega_suite.config import (
+    ConfigError,
+    check_cudagraph_mode,
+    data_module,
+    data_option,
+    device_count,
+    model_config,
+    to_yaml,
+    tokens_per_sequence,
+)
+from mega_suite.evaluation.context import (
+    default_context_lengths,
+    documents_from_segments,
+    eval_context,
+    eval_context_chunk_parallel,
+    write_report,
+)
+from mega_suite.models import arch_of
+from mega_suite.training.callbacks import (
     GracefulStop,
     LogLines,
     StepProgressBar,
     StepSeed,
     TokenThroughput,
 )
-from mega_suite.lightning import NonFiniteLossError, build_module
-from mega_suite.settings import (
-    ConfigError,
-    check_cudagraph_mode,
-    data_module,
-    data_option,
-    model_config,
-    to_yaml,
-    tokens_per_sequence,
+from mega_suite.training.checkpoint import (
+    AtomicCheckpointIO,
+    is_lightning_checkpoint,
+    is_sharded_checkpoint,
+    load_reference_file,
+    recover_checkpoint,
 )
+from mega_suite.training.module import NonFiniteLossError, build_module
+from mega_suite.training.strategy import make_strategy
 
 
 class ValWithTest(L.LightningDataModule):
@@ -113,7 +129,6 @@ def model_config_for(cfg: DictConfig, dm: Any):
 
 
 def _latest_run(root: Path, recipe: str) -> Path | None:
-    from mega_suite.callbacks import recover_checkpoint
 
     runs = sorted(
         p for p in (root / recipe).glob("*") if recover_checkpoint(p / "checkpoints" / "last.ckpt").exists()
@@ -138,8 +153,6 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
     if resume == "auto":
         run = Path(cfg.run_dir) if cfg.run_dir else _latest_run(root, cfg.recipe)
         if run is not None:
-            from mega_suite.callbacks import recover_checkpoint
-
             recover_checkpoint(run / "checkpoints" / "last.ckpt")
         if run is None or not (run / "checkpoints" / "last.ckpt").exists():
             print(f"[mega-suite] resume=auto: no earlier run of {cfg.recipe!r} under {root}; starting fresh")
@@ -162,11 +175,9 @@ SHARDING_STRATEGIES = ("fsdp", "hsdp")
 
 def build_strategy(cfg: DictConfig):
     """auto | ddp | fsdp (FSDP2 over every rank: a 1-D mesh) | hsdp (shard in a node, replicate across nodes);
-    the meshes are ``mega_suite.parallel.build_mesh``'s."""
+    the meshes are ``mega_suite.distributed.fsdp.build_mesh``'s."""
     s = cfg.trainer.strategy
     if s in SHARDING_STRATEGIES:
-        from mega_suite.parallel import make_strategy
-
         # sharded checkpoints (torch.distributed.checkpoint): a save never gathers the model on one rank
         return make_strategy(
             s,
@@ -177,17 +188,6 @@ def build_strategy(cfg: DictConfig):
     if s == "ddp":
         return "ddp_find_unused_parameters_false" if torch.cuda.is_available() else "ddp"
     return "auto"
-
-
-def device_count(cfg: DictConfig) -> int:
-    devices = cfg.trainer.devices
-    if isinstance(devices, int):
-        return devices
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if str(devices) == "auto" and cfg.trainer.accelerator != "cpu" and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 1
 
 
 def apply_global_batch(cfg: DictConfig) -> None:
@@ -306,8 +306,6 @@ def _run_in(
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
     flops = 0.0
     if cfg.task == "lm":
-        from mega_suite.models import arch_of
-
         flops = arch_of(mcfg).flops_per_token(mcfg, int(data_option(cfg, "seq_len", 0) or 0))
     trainer = build_trainer(cfg, run_dir, extra_callbacks, flops)
     if trainer.logger is not None and resume_ckpt is None:
@@ -328,11 +326,9 @@ def _run_in(
         if ckpt is None:
             raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
         fn = trainer.validate if cfg.mode == "validate" else trainer.test
-        from mega_suite.checkpoint import is_lightning_checkpoint, is_sharded_checkpoint, load_reference_file
-
         sharding = cfg.trainer.strategy in SHARDING_STRATEGIES
         if not is_lightning_checkpoint(ckpt) or (is_sharded_checkpoint(ckpt) and not sharding):
-            # model weights alone (e.g. `python -m mega_suite.checkpoint consolidate`), or a sharded
+            # model weights alone (e.g. `python -m mega_suite.training.checkpoint consolidate`), or a sharded
             # checkpoint read on one process: load the weights, evaluate without trainer state
             if getattr(module, "meta_init", False):
                 module.weights_from = str(ckpt)
@@ -372,7 +368,6 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
     if resuming:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
-    from mega_suite.checkpoint import is_sharded_checkpoint, load_reference_file
 
     if not Path(path).is_file() and not is_sharded_checkpoint(path):
         raise FileNotFoundError(
@@ -392,21 +387,12 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
 
 def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dict[str, Any]:
     """Validation perplexity against context length (figure 5 of the paper) from a checkpoint."""
-    from mega_suite.evaluate import (
-        default_context_lengths,
-        documents_from_segments,
-        eval_context,
-        eval_context_chunk_parallel,
-        write_report,
-    )
 
     if any(p.is_meta for p in module.model.parameters()):
         # sharding strategies (and so trainer.chunk_parallel) build the model on the meta device; here every
         # process holds the whole model
         module.materialize(sharded=False)
     if cfg.ckpt:
-        from mega_suite.checkpoint import load_reference_file
-
         load_reference_file(module.model, cfg.ckpt)  # a Lightning .ckpt, a state dict or a sharded directory
     else:
         print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
@@ -431,7 +417,6 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
     else:
         rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
     writer = getattr(trainer.logger, "experiment", None)
-    from mega_suite.models import arch_of
 
     spec = arch_of(module.model.cfg)
     note = f"Model: {spec.name}, {spec.streaming}"

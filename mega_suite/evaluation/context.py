@@ -7,7 +7,7 @@ tokens (all but each document's first), so word-level perplexity exp(NLL / words
 With chunk parallelism (``trainer.chunk_parallel=P``, SPEC §8) each window is instead split across P ranks
 in chunk-aligned slices (``slice_bounds(..., even=False)``: ceil(W/P) rounded up to C, the last shorter),
 every rank runs its slice at once with the TimestepNorm / CEMA states exchanged per layer
-(``mega_suite.chunk_parallel``), and the NLL sums of the ranks add up to the streaming pass's: memory and
+(``mega_suite.distributed.chunk_parallel``), and the NLL sums of the ranks add up to the streaming pass's: memory and
 time per rank O(W/P). A window too short to give every rank a slice is streamed by rank 0 alone.
 """
 
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
+
+from mega_suite.distributed.chunk_parallel import ChunkParallelContext, slice_bounds
 
 
 def documents_from_segments(loader: Iterable[dict], words: list[int] | None = None) -> Iterator[Tensor]:
@@ -80,7 +82,6 @@ def score_window_split(model, tokens: Tensor, cp, segment: int) -> tuple[float, 
     """This rank's share of the total NLL of tokens[1:] given their prefix in ``tokens`` [T] (the same on
     every rank of ``cp``, a ChunkParallelContext): its chunk-aligned slice of the inputs, run with the state
     exchange. Summed over the ranks: ``score_window``'s NLL and count."""
-    from mega_suite.chunk_parallel import slice_bounds
 
     inputs, targets = tokens[:-1], tokens[1:]
     try:
@@ -190,8 +191,6 @@ def _chunk_parallel_worker(
     rank, world, port, model, documents, context_lengths, mode, device_type, kwargs, out
 ) -> None:
     import torch.distributed as dist
-
-    from mega_suite.chunk_parallel import ChunkParallelContext
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cpu")

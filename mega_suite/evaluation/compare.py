@@ -1,4 +1,4 @@
-"""Compare finished runs: ``python -m mega_suite.compare RUN_DIR RUN_DIR ... [--out DIR] [--group-by-seed]``.
+"""Compare finished runs: ``python -m mega_suite.evaluation.compare RUN_DIR RUN_DIR ... [--out DIR] [--group-by-seed]``.
 
 Reads each run directory's TensorBoard event files (the scalars the suite logs: ``train/loss`` every
 ``log_every_n_steps``, ``val/*`` and ``test/*`` at every validation) and writes ``compare.md`` (a Markdown
@@ -424,7 +424,7 @@ def compare(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mega_suite.compare", description=__doc__.split("\n\n")[0].split(": ", 1)[0]
+        prog="python -m mega_suite.evaluation.compare", description=__doc__.split("\n\n")[0].split(": ", 1)[0]
     )
     parser.add_argument("runs", nargs="+", help="run directories (runs/<recipe>/<time>/)")
     parser.add_argument("--out", default=".", help="folder for compare.md and compare.png (default: .)")

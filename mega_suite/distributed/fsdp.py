@@ -120,57 +120,6 @@ def data_parallel_rank(mesh) -> tuple[int, int]:
     return rank, size
 
 
-def make_strategy(kind: str, chunk_parallel: int = 1, chunk_parallel_mode: str = "parallel", **kwargs):
-    """Lightning's ``ModelParallelStrategy`` with the mesh of ``build_mesh`` (not Lightning's (data_parallel,
-    tensor_parallel) mesh, which ``fully_shard`` would read as HSDP) and samplers split over every
-    data-parallel rank."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    class ShardedStrategy(ModelParallelStrategy):
-        strategy_kind = kind
-
-        def setup_environment(self) -> None:
-            self._setup_distributed()
-            device = self.root_device.type
-            self._device_mesh = build_mesh(self.world_size, self.num_nodes, kind, chunk_parallel, device)
-            self.lightning_module._device_mesh = self._device_mesh
-            if chunk_parallel > 1:
-                from datamodules.common import set_data_parallel
-                from mega_suite.chunk_parallel import ChunkParallelContext
-
-                # the P ranks of a chunk group read the same batches (each trains on its own slice)
-                set_data_parallel(*data_parallel_rank(self._device_mesh))
-                group = self._device_mesh.get_group("cp")
-                self.lightning_module.chunk_parallel = ChunkParallelContext.from_group(
-                    group, chunk_parallel_mode
-                )
-
-        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-            """Lightning's sharded save into ``<path>.tmp``, then ``replace_checkpoint``: atomic like the
-            single-process ``AtomicCheckpointIO`` (a kill during a save leaves the previous one usable)."""
-            from pathlib import Path
-
-            from mega_suite.callbacks import _remove, replace_checkpoint
-
-            path = Path(self.broadcast(str(filepath)))
-            tmp = path.with_name(path.name + ".tmp")
-            if self.global_rank == 0:
-                _remove(tmp)
-            self.barrier()
-            super().save_checkpoint(checkpoint, tmp, storage_options)
-            self.barrier()
-            if self.global_rank == 0:
-                replace_checkpoint(tmp, path)
-            self.barrier()
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict:
-            rank, size = data_parallel_rank(self.device_mesh)
-            return {"num_replicas": size, "rank": rank}
-
-    return ShardedStrategy(**kwargs)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Meta -> shard -> materialise -> initialise
 # --------------------------------------------------------------------------------------------------------------
@@ -256,32 +205,3 @@ def resident_parameter_bytes(model: nn.Module) -> int:
             seen.add(id(p))
             total += local.numel() * local.element_size()
     return total
-
-
-def load_full_weights(model: nn.Module, path) -> None:
-    """Load a checkpoint's model weights (any format ``load_reference_file`` reads) into a sharded model:
-    rank 0 reads and checks the file, and ``set_model_state_dict`` broadcasts each tensor and keeps every
-    rank's shard (``broadcast_from_rank0``), so the other ranks never hold the whole model."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from mega_suite.checkpoint import load_reference_file
-
-    if not (dist.is_available() and dist.is_initialized()):
-        load_reference_file(model, path)
-        return
-    state = {}
-    if dist.get_rank() == 0:
-        from mega_suite.checkpoint import from_reference, is_sharded_checkpoint, sharded_model_state
-
-        if is_sharded_checkpoint(path):
-            raw = sharded_model_state(path)
-        else:
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict):
-                raw = {k: v for k, v in raw["state_dict"].items() if k.startswith("model.")}
-            elif isinstance(raw, dict) and isinstance(raw.get("model"), dict):
-                raw = raw["model"]
-        state = dict(from_reference(raw, model))
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, state, options=options)

@@ -10,12 +10,17 @@ and fail loudly, naming every missing, unexpected or mis-shaped key.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 # Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules).
 _PREFIXES = ("_orig_mod.", "module.", "model.")
@@ -161,10 +166,91 @@ def consolidate(source, out) -> Path:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ----------------------------------------------------------------------------------------------------------
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to ``<path>.tmp`` then rename: a kill during the save never leaves a corrupt checkpoint.
+
+    Checkpoints hold only tensors and plain Python values, and load with ``weights_only=True``.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path, map_location=None, **kwargs) -> dict[str, Any]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def replace_checkpoint(tmp: Path, path: Path) -> None:
+    """Put the finished checkpoint ``tmp`` (file or sharded directory) at ``path``. A directory cannot be
+    replaced in one rename: the previous one moves to ``<path>.old`` first and is deleted only once ``tmp``
+    is in place, so a kill at any moment leaves ``path`` or ``<path>.old`` whole (``recover_checkpoint``)."""
+    tmp, path = Path(tmp), Path(path)
+    old = path.with_name(path.name + ".old")
+    remove_path(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    remove_path(old)
+
+
+def recover_checkpoint(path: Path) -> Path:
+    """A save killed between ``replace_checkpoint``'s two renames left only ``<path>.old``: put it back."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+        print(
+            f"[mega-suite] {path}: an interrupted save left the previous checkpoint in {old.name}; restored"
+        )
+    return path
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a sharded checkpoint directory, if present."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def load_full_weights(model: nn.Module, path) -> None:
+    """Load a checkpoint's model weights (any format ``load_reference_file`` reads) into a sharded model:
+    rank 0 reads and checks the file, and ``set_model_state_dict`` broadcasts each tensor and keeps every
+    rank's shard (``broadcast_from_rank0``), so the other ranks never hold the whole model."""
+    if not (dist.is_available() and dist.is_initialized()):
+        load_reference_file(model, path)
+        return
+    state = {}
+    if dist.get_rank() == 0:
+        if is_sharded_checkpoint(path):
+            raw = sharded_model_state(path)
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict):
+                raw = {k: v for k, v in raw["state_dict"].items() if k.startswith("model.")}
+            elif isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+                raw = raw["model"]
+        state = dict(from_reference(raw, model))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m mega_suite.checkpoint")
+    parser = argparse.ArgumentParser(prog="python -m mega_suite.training.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
     c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")

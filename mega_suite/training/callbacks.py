@@ -1,9 +1,9 @@
-"""Training-loop services: throughput (Lightning's ThroughputMonitor), reproducible per-step randomness, graceful stop, atomic checkpoints."""
+"""Training-loop services: throughput (Lightning's ThroughputMonitor), reproducible per-step randomness, graceful
+stop, progress lines. Atomic checkpoint writes live in ``checkpoint.py``."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,61 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ThroughputMonitor, TQDMProgressBar
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to ``<path>.tmp`` then rename: a kill during the save never leaves a corrupt checkpoint.
-
-    Checkpoints hold only tensors and plain Python values, and load with ``weights_only=True``.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def load_checkpoint(self, path, map_location=None, **kwargs) -> dict[str, Any]:
-        if not Path(path).exists():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
-
-
-def replace_checkpoint(tmp: Path, path: Path) -> None:
-    """Put the finished checkpoint ``tmp`` (file or sharded directory) at ``path``. A directory cannot be
-    replaced in one rename: the previous one moves to ``<path>.old`` first and is deleted only once ``tmp``
-    is in place, so a kill at any moment leaves ``path`` or ``<path>.old`` whole (``recover_checkpoint``)."""
-    tmp, path = Path(tmp), Path(path)
-    old = path.with_name(path.name + ".old")
-    _remove(old)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _remove(old)
-
-
-def recover_checkpoint(path: Path) -> Path:
-    """A save killed between ``replace_checkpoint``'s two renames left only ``<path>.old``: put it back."""
-    path = Path(path)
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.exists():
-        os.replace(old, path)
-        print(
-            f"[mega-suite] {path}: an interrupted save left the previous checkpoint in {old.name}; restored"
-        )
-    return path
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 class StepSeed(L.Callback):

@@ -1,0 +1,37 @@
+"""Experiment configuration (docs/configuration.md): the schema of every key (``schema``), recipes and
+overrides (``recipes``), the checks run at load (``checks``) and what a run derives from it (``resolve``)."""
+
+from __future__ import annotations
+
+from mega_suite.config.checks import check_cudagraph_mode, validate
+from mega_suite.config.recipes import RECIPES_DIR, list_recipes, load_config, to_yaml
+from mega_suite.config.resolve import (
+    DataContract,
+    data_contract,
+    data_module,
+    data_num_classes,
+    data_option,
+    device_count,
+    model_config,
+    tokens_per_sequence,
+)
+from mega_suite.config.schema import (
+    ADAMW_KERNELS,
+    CHOICES,
+    COMPILE_MODES,
+    CUDAGRAPH_MODES,
+    FLOAT32_MATMUL_PRECISIONS,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    RunConfig,
+    TrainerSection,
+)
+
+__all__ = [
+    "ADAMW_KERNELS", "CHOICES", "COMPILE_MODES", "CUDAGRAPH_MODES", "FLOAT32_MATMUL_PRECISIONS", "RECIPES_DIR",
+    "ConfigError", "DataContract", "DataSection", "ModelSection", "OptimSection", "RunConfig", "TrainerSection",
+    "check_cudagraph_mode", "data_contract", "data_module", "data_num_classes", "data_option", "device_count",
+    "list_recipes", "load_config", "model_config", "to_yaml", "tokens_per_sequence", "validate",
+]  # fmt: skip
