@@ -2,7 +2,7 @@
 
     python -m bench.block                      # L = 4K, 8K, 16K, 32K (about 5 minutes on 2 cores)
     python -m bench.block --quick              # L = 1K, 2K, one timed iteration
-    python -m bench.block --glibc-no-mmap      # full run, malloc keeps freed blocks (RESULTS.md)
+    python -m bench.block --glibc-no-mmap      # full run, malloc keeps freed blocks (bench/reports/2026-11-22-cpu-baseline.md)
     python -m bench.block --lengths 4K,8K --repeat 3
 
 Megalodon: ``mega_suite.models.megalodon.block.MegalodonBlock``, LM form, D 512, Z 128, E 1024, FFN 1024 SwiGLU, N 16,

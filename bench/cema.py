@@ -2,7 +2,7 @@
 
     python -m bench.cema                     # L = 1K..32K, errors at L = 4096, TimestepNorm at L = 65536
     python -m bench.cema --quick             # L = 1K, 2K; errors at L = 1024; TimestepNorm at L = 8192
-    python -m bench.cema --glibc-no-mmap     # full run, malloc keeps freed blocks (RESULTS.md)
+    python -m bench.cema --glibc-no-mmap     # full run, malloc keeps freed blocks (bench/reports/2026-11-22-cpu-baseline.md)
     python -m bench.cema --lengths 1K,4K --seq-max 1024
 
 Timing: ``kernels.cema.cema`` with method "sequential" (the step-by-step recurrence, capped at

@@ -2,7 +2,7 @@
 
     python -m bench.cpu_bar                        # L = 2K..32K, with/without checkpointing, decode
     python -m bench.cpu_bar --quick                # L = 2K only, one timed step, 50 decode tokens
-    python -m bench.cpu_bar --glibc-no-mmap        # full run, malloc keeps freed blocks (RESULTS.md)
+    python -m bench.cpu_bar --glibc-no-mmap        # full run, malloc keeps freed blocks (bench/reports/2026-11-22-cpu-baseline.md)
     python -m bench.cpu_bar --lengths 2K,4K --no-checkpointing
     python -m bench.cpu_bar --profile 4K           # only: torch.profiler breakdown of one training step
     python -m bench.cpu_bar --precision bf16-mixed --lengths 2K,4K,8K   # bf16 autocast beside fp32

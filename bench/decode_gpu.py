@@ -24,7 +24,7 @@ which gives the reference logits. "mm" (cuBLAS kept opaque) measured the same as
 its prologues no longer fused (GPU_RESULTS.md); "cublas" has that structure with cuBLAS's GEMV kernel.
 ``--compile-options`` (a JSON dict of Inductor options): each GEMV's compiled graph also built with them,
 beside Inductor's defaults (``StaticDecoder(..., compile_options=)``; on the CPU ``realize_opcount_threshold``
-1 stopped the GEMV reductions recomputing their inputs' norms per output row, bench/RESULTS.md §27).
+1 stopped the GEMV reductions recomputing their inputs' norms per output row, bench/reports/2026-11-24-compiled-cpu-decode-rows.md).
 
 Per path: median ms/token (host clock after a device sync, per token), the ratio to each floor, and from
 one profiled token the GPU kernels (plus memcpy / memset) it ran and the host-side launch calls it made

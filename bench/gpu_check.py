@@ -9,7 +9,7 @@ or a timeout still leaves a partial report; each stage is stopped at its budget 
 By default the listops run trains in a child process beside the untimed stages (1-2), and the timed stages
 (3-4) run alone after it. Budgets are for one H100 (80 GB):
 
-1. ``cuda_tests``  (3.5 min)  the kernel tests natively on CUDA: tests/test_triton_*.py (bf16, L = 32K and
+1. ``cuda_tests``  (3.5 min)  the kernel tests natively on CUDA: tests/kernels/test_triton_*.py (bf16, L = 32K and
    the GPU-only cases that skip on CPU; fixed tiles except the tests marked ``autotune``) with pytest-xdist
    workers where installed, and anything marked ``gpu``; no test may skip for want of CUDA.
 2. ``model_step``  (2 min)  one full training step (forward loss, every parameter gradient) of a small
@@ -226,10 +226,10 @@ def _pytest(args: list[str], timeout: float) -> tuple[int, str]:
 
 
 CUDA_TEST_FILES = (
-    "tests/test_triton_attention.py",
-    "tests/test_triton_cema.py",
-    "tests/test_triton_timestep_norm.py",
-    "tests/test_triton_gemv.py",
+    "tests/kernels/test_triton_attention.py",
+    "tests/kernels/test_triton_cema.py",
+    "tests/kernels/test_triton_timestep_norm.py",
+    "tests/kernels/test_triton_gemv.py",
 )
 
 

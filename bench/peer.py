@@ -32,7 +32,7 @@ another time. Measurements:
 
 ``--malloc``: the allocator of every measuring process, both sides alike (``system``: glibc's malloc, the
 default; ``tcmalloc`` / ``jemalloc``: preloaded as ``run.py`` does by default where tcmalloc is installed,
-``mega_suite.tools.malloc``). The port's speed depends on it much more than ours (bench/RESULTS.md §23).
+``mega_suite.tools.malloc``). The port's speed depends on it much more than ours (bench/reports/2026-11-24-tcmalloc.md).
 """
 
 from __future__ import annotations
@@ -247,7 +247,9 @@ def bench_stream(which: str, peer: str | None, prompt_len: int, new_tokens: int)
             token = logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
     extra = {"ingest_s": min(ingest), "floor_s": floor, "note": side.note}
-    if which == "ours":  # our fastest decode too: the compiled fixed-buffer step (bench/RESULTS.md §16)
+    if (
+        which == "ours"
+    ):  # our fastest decode too: the compiled fixed-buffer step (bench/reports/2026-11-24-compiled-cpu-decode.md)
         from mega_suite.models.megalodon import decode
 
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""LightningDataModules of the suite, by name: readers of published on-disk layouts (see DATA.md)."""
+"""LightningDataModules of the suite, by name: readers of published on-disk layouts (see docs/data.md)."""
 
 from .errors import DataError as DataError
 from .imagenet import ImageNetDataModule

@@ -1,6 +1,6 @@
 """ImageNet-1K with the DeiT training pipeline (Touvron et al. 2021), built from timm's parts.
 
-Layout (DATA.md): ``<data_dir>/train/<wnid>/*.JPEG`` and ``<data_dir>/val/<wnid>/*.JPEG`` (validation
+Layout (docs/data.md#imagenet): ``<data_dir>/train/<wnid>/*.JPEG`` and ``<data_dir>/val/<wnid>/*.JPEG`` (validation
 images moved into class folders); read with ``torchvision.datasets.ImageFolder``. ``val`` serves as both
 validation and test set (the official test labels are not public).
 

@@ -1,6 +1,6 @@
 """The King James Bible, shipped with the suite: an English LM corpus that needs no download.
 
-``corpora/kjv/kjv.tar.xz`` holds the 66 books in the PG-19 layout (DATA.md), ``kjv/{train,validation,test}/
+``corpora/kjv/kjv.tar.xz`` holds the 66 books in the PG-19 layout (docs/data.md#kjv), ``kjv/{train,validation,test}/
 <book_id>.txt`` + ``metadata.csv`` (split by whole books: corpora/kjv/README.md). When ``<data_dir>/kjv/`` is
 absent the archive is unpacked there on first use; a ``<data_dir>/kjv/`` the suite did not unpack (no
 ``.archive.sha256`` stamp) is read as it is, and one unpacked from an older archive is replaced. The

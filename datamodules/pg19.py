@@ -1,6 +1,6 @@
 """PG-19 (Rae et al. 2019): whole Project Gutenberg books, subword-tokenised, evaluated book by book.
 
-Layout (DATA.md): ``<data_dir>/pg19/{train,validation,test}/<book_id>.txt`` (+ ``metadata.csv``, not needed
+Layout (docs/data.md#pg-19): ``<data_dir>/pg19/{train,validation,test}/<book_id>.txt`` (+ ``metadata.csv``, not needed
 here). Tokenizer: a SentencePiece ``.model`` given by ``tokenizer_path``, or one trained once on the training
 books (``vocab_size``, default 32K as in the paper) and cached as ``<cache_dir>/spm_<type>_<vocab>.model``.
 Each split is tokenised once into ``<cache_dir>/tokens_<tokenizer hash>/<split>.bin``: the books in
@@ -12,7 +12,7 @@ attention chunk C), non-overlapping windows of the packed training stream, shuff
 ``validation``, test = ``test``): book after book, each as consecutive segments ``{"input": [1, S],
 "target": [1, S], "first_segment": [1] bool}``; ``first_segment`` marks each book's first segment (reset the
 streaming cache there); targets are every token of a book after its BOS, EOS included. Perplexity is per
-word (DATA.md): ``exp(total NLL / words)`` with words the whitespace-separated words (``str.split``) of the
+word (docs/data.md#pg-19): ``exp(total NLL / words)`` with words the whitespace-separated words (``str.split``) of the
 books, whatever the tokenizer. Each segment also carries ``"words": [1]``, the words it completes: a word is
 assigned to the token that holds its last character (SentencePiece's byte offsets into the book text; a word
 left without one, e.g. made only of characters the normaliser drops, goes to the book's EOS), stored per

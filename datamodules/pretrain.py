@@ -1,6 +1,6 @@
 """LLM pretraining corpora: JSON-lines documents, tokenised once, packed into fixed-length sequences.
 
-Layout (DATA.md): files matching ``patterns`` under ``data_dir`` (``.jsonl`` or ``.jsonl.gz``), one JSON
+Layout (docs/data.md#pretraining-corpora): files matching ``patterns`` under ``data_dir`` (``.jsonl`` or ``.jsonl.gz``), one JSON
 object per line with the document in ``text_field`` (default ``"text"``). Tokenizer by path: a SentencePiece
 ``.model`` or a Hugging Face ``tokenizer.json`` (BOS/EOS found among the usual names, or given as
 ``bos_token``/``eos_token``). Each input file is tokenised once into two memory-mapped shards under

@@ -1,6 +1,6 @@
 """Speech Commands v0.02, SC10 raw waveforms (16000 samples at 16 kHz), as Mega and S4 use it.
 
-Layout (DATA.md): ``<data_dir>/speech_commands_v0.02/<word>/<speaker>_nohash_<n>.wav`` (16-bit PCM mono).
+Layout (docs/data.md#speech-commands): ``<data_dir>/speech_commands_v0.02/<word>/<speaker>_nohash_<n>.wav`` (16-bit PCM mono).
 Only the ten SC10 words are read and only clips of exactly 16000 samples are kept (34,975 in the release);
 samples are scaled by 1/2^15; the shorter clips are skipped (their count is logged). A clip that is not
 16 kHz mono, or not a readable WAV, is a ``DataError`` naming the file. The split is stratified by word,

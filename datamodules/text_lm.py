@@ -12,7 +12,7 @@ Batches (all ``int64``):
 - training: ``{"input": [B, L], "target": [B, L]}`` with ``target[:, i] = stream[start + i + 1]``;
 - streaming evaluation: ``{"input": [1, S], "target": [1, S], "first_segment": [1] bool, "words": [1]}``,
   consecutive segments of one document (or of a whole split for WikiText-103); ``first_segment`` is True where
-  the model must reset its streaming cache (SPEC §7) before the segment; ``words`` (when the data set defines
+  the model must reset its streaming cache (docs/architecture.md#streaming) before the segment; ``words`` (when the data set defines
   words) is the number of words the segment *completes*: words whose last token is one of its targets. Summed
   over any prefix of the segments it is exactly the number of words of the scored text, so word perplexity
   ``exp(sum NLL / sum words)`` stays right when evaluation stops early (``limit_val_batches``): a document

@@ -1,6 +1,6 @@
 """WikiText-103, word level (Merity et al. 2016), as Mega and Megalodon train on it.
 
-Layout (DATA.md): ``<data_dir>/wikitext-103/wiki.{train,valid,test}.tokens``, already tokenised, one paragraph
+Layout (docs/data.md#wikitext-103): ``<data_dir>/wikitext-103/wiki.{train,valid,test}.tokens``, already tokenised, one paragraph
 per line; every line (blank ones included) ends with an ``<eos>`` token, as in fairseq. The vocabulary is
 every word of the training file, sorted by frequency, most frequent first (so adaptive-softmax cutoffs
 20000 / 60000 split it into frequency bands), ties broken alphabetically; it is cached as

@@ -3,7 +3,7 @@
     python -m bench.diagnostics.head_precision                                   # megalodon_7b's head, 4096 tokens, CUDA
     python -m bench.diagnostics.head_precision --device cpu --preset megalodon_cpu_bench --tokens 2048 --vocab 4000
 
-SPEC §5 has the logits in float32, and the suite computes the output projection in float32 under autocast
+docs/architecture.md#language-model has the logits in float32, and the suite computes the output projection in float32 under autocast
 (``OutputProjection``, a float32 island), then the cross-entropy. Its matmul is 6·D·V FLOPs per token in
 training (forward, and the two products of backward) against ≈ 6 x the parameters for the model: for the 7B
 (D 4096, V 32000) 0.79 of 47 GFLOP per token at 4K, 1.7%. On a GPU without TF32 a float32 matmul runs about

@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parents[2]
 def _load_memory():
     """``mega_suite/tools/memory.py`` of this checkout, loaded by path: with ``--baseline`` the ``mega_suite``
     package on the path is the other checkout's, which may predate it."""
-    spec = importlib.util.spec_from_file_location("_mega_memory", HERE / "mega_suite" / "memory.py")
+    spec = importlib.util.spec_from_file_location("_mega_memory", HERE / "mega_suite" / "tools" / "memory.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -4,7 +4,7 @@
     python corpora/kjv/build.py        # writes corpora/kjv/kjv.tar.xz and corpora/kjv/kjv_unigram_4096.model
 
 ``bible -f Gen1:1-Rev22:21`` prints every verse on one line as ``<book abbreviation><chapter>:<verse> <text>``
-(31,102 verses, ASCII). Each of the 66 books becomes one file in the PG-19 layout (DATA.md):
+(31,102 verses, ASCII). Each of the 66 books becomes one file in the PG-19 layout (docs/data.md#kjv):
 ``kjv/{train,validation,test}/<book_id>.txt`` with ``book_id`` its canonical number (Genesis 1 ... Revelation
 66), plus ``kjv/metadata.csv`` (id, title, testament, split, chapters, verses, words). A book file is its
 title, then per chapter a ``Chapter N`` heading and one verse per line (verse numbers dropped: they are not

@@ -1,4 +1,4 @@
-"""Chunked normalised attention (SPEC §4).
+"""Chunked normalised attention (docs/architecture.md#normalised-attention).
 
 ``chunk_attention`` runs the fused Triton kernels (``kernels.attention.triton``, DropKey for attention
 dropout) for CUDA tensors they support, and the PyTorch reference (``kernels.attention.reference``,

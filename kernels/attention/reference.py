@@ -1,4 +1,4 @@
-"""Chunked (block-diagonal) attention, SPEC §4, in plain PyTorch.
+"""Chunked (block-diagonal) attention, docs/architecture.md#normalised-attention, in plain PyTorch.
 
 Chunks are folded into the batch and handed to ``scaled_dot_product_attention`` with scale 1.0
 (Q and K arrive normalised and learnably scaled). Cost O(L * C) in time and memory.
@@ -191,7 +191,7 @@ def _prefer_blocked(n: int, c: int, dk: int, dv: int, dtype: torch.dtype) -> boo
     """Causal, no padding, no dropout, dk != dv, ``n`` chunks x heads of C tokens: ``_BlockedCausal``
     (dk-wide scores, 5/8 of C x C, in float32) rather than Q and K padded to dv for SDPA's flash kernel?
     Measured on CPU (``python -m bench.diagnostics.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
-    2048 tokens; bench/RESULTS.md §20): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256
+    2048 tokens; bench/reports/2026-11-24-cpu-causal-attention.md): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256
     or C <= 1024 (one cell 1.04), and 1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch
     1), where the elementwise passes over the materialised probabilities cost more than flash's wider
     products; with bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or

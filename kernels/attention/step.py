@@ -12,7 +12,7 @@ def attention_step(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None)
     [B, n, h, E/h], ``mask`` [n] bool (True = a row not yet written: −inf) or None -> [B, h, 1, E/h] float32.
 
     Keys and values stored in bf16 on the CPU are never multiplied in bf16 over a length that changes at every
-    token: oneDNN would build a kernel for every new shape (bench/reports/2026-11-24-decode-cpu.md). Eager, they
+    token: oneDNN would build a kernel for every new shape (bench/reports/2026-11-24-bf16-kv-decode.md). Eager, they
     are cast to float32. Compiled (the StaticDecoder's CPU buckets make n one of C/64 lengths), the scores are
     float32 reductions with the bf16 loads fused, and for one row and one head softmax(·) v is a bf16 matmul
     over the bucketed length (float32 accumulation). On CUDA the query is rounded to the keys' dtype instead.

@@ -1,4 +1,4 @@
-"""Fused chunked attention in Triton (SPEC §4): flash-attention-2 inside block-diagonal chunks, with DropKey.
+"""Fused chunked attention in Triton (docs/architecture.md#normalised-attention): flash-attention-2 inside block-diagonal chunks, with DropKey.
 
 What one call computes, per batch b, head h and chunk [s, s + c) of the sequence (c = min(C, L); the last
 chunk may be shorter):
@@ -7,7 +7,7 @@ chunk may be shorter):
     S[i, j] = -inf   where key j is padding, j > i (causal), j ≥ L, or DropKey drops (i, j)
     O = softmax(S) V_chunk                        (a row whose logits are all -inf outputs zeros)
 
-DropKey (SPEC §4): each pre-softmax logit is dropped (set to -inf, no rescaling) with probability p. The
+DropKey (docs/architecture.md#normalised-attention): each pre-softmax logit is dropped (set to -inf, no rescaling) with probability p. The
 decision comes from Philox, ``tl.rand(seed, offset)`` with the global (batch, head, query, key) index
 
     offset = ((b * H + h) * L + i) * L + j        (i, j: positions in the whole sequence, int64)

@@ -1,4 +1,4 @@
-"""CEMA: the complex exponential moving average of Megalodon (SPEC §2).
+"""CEMA: the complex exponential moving average of Megalodon (docs/architecture.md#cema).
 
 ``cema`` runs the fused Triton scan (``kernels.cema.triton``) for CUDA tensors with ``method="auto"``
 (see ``kernels.dispatch``), and the PyTorch reference (``kernels.cema.reference``) otherwise: on CPU, in

@@ -1,4 +1,4 @@
-"""Complex exponential moving average (CEMA), SPEC §2, in plain PyTorch.
+"""Complex exponential moving average (CEMA), docs/architecture.md#cema, in plain PyTorch.
 
 Three exact methods that agree to rounding:
 
@@ -25,7 +25,7 @@ __all__ = ["cema_coefficients", "cema", "cema_kernel", "cema_step"]
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
-    # CEMA math stays in float32 under bf16/fp16 and in float64 for float64 models (SPEC §1).
+    # CEMA math stays in float32 under bf16/fp16 and in float64 for float64 models (docs/architecture.md#the-block).
     return torch.float64 if t.dtype in (torch.float64, torch.complex128) else torch.float32
 
 

@@ -1,4 +1,4 @@
-"""Fused CEMA in Triton (SPEC §2): a chunked scan over time, forward and backward.
+"""Fused CEMA in Triton (docs/architecture.md#cema): a chunked scan over time, forward and backward.
 
 Per batch row b and channel d, with N complex components, x the input with padded steps zeroed:
 
@@ -10,7 +10,7 @@ The sequence is cut into chunks of T steps; one program owns (chunk, block of BD
 runs the recurrence step by step with its [BD, N] state in registers, so every chunk works in parallel.
 Inputs arrive as [BD, 16] tiles (16 steps per load, the next tile loaded while the current one is used)
 rather than one [BD] row per step, so that memory latency is not paid once per step. Chunks are tied
-together by their start states (SPEC §8: h ← q^T h + h_local). The powers q^T, q^{T-1} are exp(l log q)
+together by their start states (docs/architecture.md#chunk-parallelism: h ← q^T h + h_local). The powers q^T, q^{T-1} are exp(l log q)
 taken in float64 from the float32 q on the host and rounded once: in float32 the rounding of arg q grows
 l-fold in the phase of q^l, which at |q| ≈ 0.9997 (memory of thousands of steps) costs 1e-4 relative.
 

@@ -93,7 +93,7 @@ _FIXED: dict | None = None
 @contextlib.contextmanager
 def fixed_config(block_o: int = 4, block_i: int = 512, num_warps: int = 4):
     """Launch with these block sizes inside the ``with`` block instead of the autotuned ones (the default is
-    one of the autotune configurations, which tests/test_triton_compile.py compiles for sm_80 / sm_90)."""
+    one of the autotune configurations, which tests/kernels/test_triton_compile.py compiles for sm_80 / sm_90)."""
     global _FIXED
     previous, _FIXED = _FIXED, dict(BLOCK_O=block_o, BLOCK_I=block_i, num_warps=num_warps, num_stages=2)
     try:

@@ -1,4 +1,4 @@
-"""TimestepNorm (causal, carried statistics) and the whole-sequence group norm (SPEC §3).
+"""TimestepNorm (causal, carried statistics) and the whole-sequence group norm (docs/architecture.md#timestepnorm).
 
 ``timestep_norm`` runs the fused Triton kernels (``kernels.timestep_norm.triton``) for CUDA tensors (see
 ``kernels.dispatch``) and the PyTorch reference (``kernels.timestep_norm.reference``) otherwise: on CPU

@@ -1,4 +1,4 @@
-"""TimestepNorm (causal group normalisation, SPEC §3) and its whole-sequence form, in plain PyTorch.
+"""TimestepNorm (causal group normalisation, docs/architecture.md#timestepnorm) and its whole-sequence form, in plain PyTorch.
 
 Numerics: the running mean/variance of a group over all valid steps <= t is
     M_t = S1_t / n_t,  V_t = S2_t / n_t - M_t^2,
@@ -120,7 +120,7 @@ def timestep_norm(
 def _single_step(
     x: Tensor, weight: Tensor, bias: Tensor, g: int, eps: float, state: NormState
 ) -> tuple[Tensor, NormState]:
-    """One new step (decoding): the Welford update of SPEC §3 directly, in float64 for the statistics."""
+    """One new step (decoding): the Welford update of docs/architecture.md#timestepnorm directly, in float64 for the statistics."""
     b, _, d = x.shape
     count0, mean0, var0 = state
     sdt = _stat_dtype(x)

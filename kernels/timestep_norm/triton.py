@@ -1,4 +1,4 @@
-"""Fused TimestepNorm in Triton (SPEC §3): causal group statistics with a carried (count, mean, var) state.
+"""Fused TimestepNorm in Triton (docs/architecture.md#timestepnorm): causal group statistics with a carried (count, mean, var) state.
 
 For batch row b, group g (d_g features) and valid step t, with n_t the number of valid steps so far
 (including the carried count):
@@ -7,7 +7,7 @@ For batch row b, group g (d_g features) and valid step t, with n_t the number of
     y_t      = (x_t - M_t) / sqrt(V_t + eps) * (1 + weight) + bias          (padding: y_t = 0)
 
 The time axis is cut into tiles of BT steps; one program owns (tile, group, batch row), so every tile
-works in parallel, and tiles are tied together by their start states (SPEC §8: a Welford merge):
+works in parallel, and tiles are tied together by their start states (docs/architecture.md#chunk-parallelism: a Welford merge):
 
 forward
   1. ``_chunk_stats``  per tile: valid count k, mean r + e and variance v of its elements. Statistics are

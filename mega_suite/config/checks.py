@@ -6,6 +6,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from mega_suite.config.resolve import (
+    accumulation,
     data_contract,
     data_module,
     data_num_classes,
@@ -111,9 +112,10 @@ def check_cudagraph_mode(cfg: DictConfig) -> None:
         return
     name = f"trainer.compile_mode={t.compile_mode!r} (CUDA graphs)"
     way_out = "use trainer.compile_mode=default or max-autotune-no-cudagraphs"
-    if t.accumulate_grad_batches > 1:
+    accumulate = accumulation(cfg)
+    if accumulate > 1:
         raise ConfigError(
-            f"{name} cannot accumulate gradients (trainer.accumulate_grad_batches={t.accumulate_grad_batches}, "
+            f"{name} cannot accumulate gradients (trainer.accumulate_grad_batches={accumulate}, "
             f"set directly or by trainer.global_batch_tokens): the next micro-batch would add into graph "
             f"memory already overwritten; {way_out}"
         )
@@ -148,7 +150,6 @@ def _validate_trainer(cfg: DictConfig) -> None:
             f"trainer.compile_mode={t.compile_mode!r} is an Inductor mode; trainer.compile_backend is "
             f"{t.compile_backend!r}"
         )
-    check_cudagraph_mode(cfg)
     if t.compile:
         import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
 
@@ -171,6 +172,7 @@ def _validate_trainer(cfg: DictConfig) -> None:
                 f"{t.global_batch_tokens} both set the accumulation: set one of them"
             )
         tokens_per_sequence(cfg)
+    check_cudagraph_mode(cfg)  # after the global batch's own checks: it reads the accumulation
 
 
 def _validate_chunk_parallel(cfg: DictConfig) -> None:

@@ -182,3 +182,13 @@ def device_count(cfg: DictConfig) -> int:
     if str(devices) == "auto" and cfg.trainer.accelerator != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 1
+
+
+def accumulation(cfg: DictConfig) -> int:
+    """trainer.global_batch_tokens -> round(target / (batch x mean tokens per sequence x devices x nodes)), at
+    least 1 (the paper's 4M-token batch of the 7B run; WikiText-103's 6144 x 24); else the key as set."""
+    target = cfg.trainer.global_batch_tokens
+    if target <= 0:
+        return int(cfg.trainer.accumulate_grad_batches)
+    per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * device_count(cfg) * cfg.trainer.num_nodes
+    return max(1, round(target / per_step))

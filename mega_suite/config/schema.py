@@ -68,7 +68,7 @@ class TrainerSection:
     )
     precision: str = "32-true"  # 32-true | bf16-mixed | 64-true
     accumulate_grad_batches: int = 1
-    global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (runner.apply_global_batch)
+    global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (config.resolve.accumulation)
     peak_tflops: float = 0.0  # task=lm: per-device peak for MFU (e.g. 989: H100 bf16 dense); 0: no MFU
     val_check_interval: int = 500  # validate (and test) every N training batches
     limit_val_batches: float = 1.0  # fraction (<= 1.0) or number of batches
@@ -76,7 +76,7 @@ class TrainerSection:
     log_every_n_steps: int = 10
     gradient_checkpointing: bool = False  # recompute block activations in backward
     # P > 1: the ranks form a (data-parallel x chunk-parallel) mesh; the P ranks of a group each train on a
-    # contiguous, chunk-aligned slice of the same sequences (SPEC §8, mega_suite.distributed.chunk_parallel); needs
+    # contiguous, chunk-aligned slice of the same sequences (docs/architecture.md#chunk-parallelism, mega_suite.distributed.chunk_parallel); needs
     # trainer.strategy=fsdp, task=lm, a Megalodon model and data.options.seq_len a multiple of P x C.
     chunk_parallel: int = 1
     chunk_parallel_mode: str = "parallel"  # parallel (prefix of all-gathered states) | sequential (hand-off)
@@ -91,7 +91,7 @@ class TrainerSection:
     # on the CPU): refused with FSDP, gradient accumulation, activation checkpointing and outside mode=fit.
     compile_mode: str = "default"
     # torch.set_float32_matmul_precision for the run: highest (full float32, the default) | high (TF32 on
-    # CUDA) | medium. The logits head is computed in float32 (SPEC §5) also under bf16-mixed: on an H100 its
+    # CUDA) | medium. The logits head is computed in float32 (docs/architecture.md#language-model) also under bf16-mixed: on an H100 its
     # forward + backward at the 7B's 4096 tokens took 64.7 ms in float32 and 11.3 ms with TF32, an estimated
     # 16% and 3% of a step (bench/GPU_RESULTS.md, head_precision); under 32-true every matmul is affected.
     float32_matmul_precision: str = "highest"

@@ -1,15 +1,15 @@
-"""Chunk parallelism (SPEC §8): the ranks of a group each hold a contiguous, chunk-aligned slice of the same
+"""Chunk parallelism (docs/architecture.md#chunk-parallelism): the ranks of a group each hold a contiguous, chunk-aligned slice of the same
 sequences, and run the Megalodon LM on it at the same time, with no pipeline bubble.
 
 Attention needs nothing (slices start on a chunk boundary, RoPE restarts per chunk). The two recurrent
 states compose associatively, so per layer each rank computes its slice from a zero state, all-gathers a
 tiny summary and corrects itself with the exclusive prefix of the ranks before it:
 
-- TimestepNorm (SPEC §3). The statistics of a slice are (count n_s, mean m_s, population variance v_s) per
+- TimestepNorm (docs/architecture.md#timestepnorm). The statistics of a slice are (count n_s, mean m_s, population variance v_s) per
   (row, group), computed directly. The incoming state of rank r is the Chan merge of slices 0..r-1,
       n = n_a + n_b,  m = m_a + (n_b/n) (m_b - m_a),  v = (n_a/n) v_a + (n_b/n) v_b + (n_a n_b/n²)(m_b - m_a)²,
   and the slice runs once from that state (``timestep_norm(..., state=prefix)``).
-- CEMA (SPEC §2). A segment of length L maps h0 to q^L h0 + h_local, so with h_loc(s) the final state of
+- CEMA (docs/architecture.md#cema). A segment of length L maps h0 to q^L h0 + h_local, so with h_loc(s) the final state of
   slice s run from zero, the state entering rank r is
       h_in(r) = Σ_{s<r} q^(L_{s+1} + ... + L_{r-1}) h_loc(s),
   and its effect on output t of the slice is the h0 term Re(Σ_n γ_n q_n^(t+1) h_in,n), added to the

@@ -7,7 +7,7 @@ precision policy in ``mega_suite.models.common``); nothing here matches paramete
   inputs, so the residual stream stays float32 as under autocast on one device or DDP;
 - each float32 island inside a unit (CEMA, norms) is its own unit with float32 parameters;
 - the root (embedding, final norm, logits head) keeps float32 parameters: the stream enters the blocks in
-  float32 and the logits are float32 (SPEC §1, §5).
+  float32 and the logits are float32 (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For a context length W every document is cut into windows of W tokens, each scor
 cache, fed in segments of one attention chunk, so memory stays O(C) whatever W is. Every W scores the same
 tokens (all but each document's first), so word-level perplexity exp(NLL / words) is comparable across W.
 
-With chunk parallelism (``trainer.chunk_parallel=P``, SPEC §8) each window is instead split across P ranks
+With chunk parallelism (``trainer.chunk_parallel=P``, docs/architecture.md#chunk-parallelism) each window is instead split across P ranks
 in chunk-aligned slices (``slice_bounds(..., even=False)``: ceil(W/P) rounded up to C, the last shorter),
 every rank runs its slice at once with the TimestepNorm / CEMA states exchanged per layer
 (``mega_suite.distributed.chunk_parallel``), and the NLL sums of the ranks add up to the streaming pass's: memory and

@@ -31,7 +31,7 @@ def init_linear(linear: nn.Linear) -> None:
 
 # --------------------------------------------------------------------------- precision policy
 #
-# SPEC §1: under bf16 autocast the Linear layers (and the attention) compute in bf16, while CEMA (its
+# docs/architecture.md#the-block: under bf16 autocast the Linear layers (and the attention) compute in bf16, while CEMA (its
 # coefficients and FFT / scan), every norm's statistics and the logits stay float32 -- float64 in a float64
 # model. The modules that must stay float32 are declared once, with ``@float32_island``: their forward
 # runs with autocast off and low-precision inputs upcast. ``Backbone.float32_modules()`` lists them, and
@@ -117,7 +117,7 @@ class Backbone(nn.Module):
         """Names of the parameters that ``optim.no_decay_groups`` exempts from weight decay (timm's
         ``no_weight_decay``): every 1-D parameter (biases, norm scales), embeddings, and what a module lists
         in ``no_weight_decay_params`` (CEMA's parameters, the Q/K scales and offsets, learned positions).
-        The paper recipes decay everything (SPEC §11); this is the documented option."""
+        The paper recipes decay everything (docs/architecture.md#paper-vs-reference-code); this is the documented option."""
         names = set()
         for prefix, module in self.named_modules():
             listed = getattr(module, "no_weight_decay_params", ())
@@ -130,7 +130,7 @@ class Backbone(nn.Module):
 @float32_island()
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · (1 + weight), weight initialised to 0 (Megalodon's plus-one convention,
-    SPEC §1); with ``plus_one=False`` · weight, initialised to 1 (Llama's). Statistics in float32."""
+    docs/architecture.md#the-block); with ``plus_one=False`` · weight, initialised to 1 (Llama's). Statistics in float32."""
 
     def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = True, lean: bool = False):
         super().__init__()
@@ -158,7 +158,7 @@ class RMSNorm(nn.Module):
 @float32_island()
 class OutputProjection(nn.Linear):
     """Hidden states -> logits without bias, computed in float32 (float64 for a float64 model) under
-    autocast: the logits are not computed in bf16 and cast afterwards (SPEC §5)."""
+    autocast: the logits are not computed in bf16 and cast afterwards (docs/architecture.md#language-model)."""
 
     def reset_parameters(self) -> None:
         init_linear(self)

@@ -3,7 +3,7 @@
 A training step on the CPU allocates and frees thousands of tensors. glibc's malloc keeps freed heap
 resident (fragmentation between forward's temporaries and backward's) and returns large blocks to the kernel,
 so the next step page-faults them in again; tcmalloc caches freed blocks per size class and hands memory
-back gradually. Measured side by side on the 2-core CPU (bench/RESULTS.md §23, ``bench/malloc_ab.py`` and
+back gradually. Measured side by side on the 2-core CPU (bench/reports/2026-11-24-tcmalloc.md, and
 ``bench/small_models.py --malloc``): the same math, 0.76-0.82x the peak RSS of the language model's step at
 2K-8K (0.67-0.73x for ``recipe=lra_listops``), its step 0.80-1.04x the time, small models 0.96-1.40x the
 tokens/s. jemalloc saved as much memory but was 1.05-1.40x slower here (it hands pages back to the kernel

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from mega_suite.config import data_module, data_option, device_count, model_config
+from mega_suite.config import data_module
+from mega_suite.config.run_plan import resolve_plan
 from mega_suite.models import build_model, count_parameters
 from mega_suite.models.megalodon.lean import is_rebuilt
 from mega_suite.tools.memory import stored_for_backward
@@ -144,22 +145,22 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
 
 def plan(cfg: DictConfig) -> str:
 
-    mcfg = model_config(cfg)
+    run = resolve_plan(cfg)
+    mcfg = run.model
     with torch.device("meta"):
         model = build_model(mcfg)
     total = count_parameters(model)
     unit = max((sum(p.numel() for p in u.parameters()) for u in model.fsdp_units()), default=0)
     root = total - sum(sum(p.numel() for p in u.parameters()) for u in model.fsdp_units())
     unit = max(unit, root)
-    devices, nodes = device_count(cfg), cfg.trainer.num_nodes
-    world = devices * nodes
+    devices, nodes, world = run.devices, run.nodes, run.world
     shard = _shard_size(cfg, world)
     bf16 = str(cfg.trainer.precision).startswith("bf16")
-    sharded = cfg.trainer.strategy in ("fsdp", "hsdp")
+    sharded = run.sharded
 
     lm = cfg.task == "lm"
     if lm:
-        seq = int(data_option(cfg, "seq_len", 0) or 0) or getattr(mcfg, "max_seq_len", 0)
+        seq = run.seq_len or round(run.tokens_per_sequence) or getattr(mcfg, "max_seq_len", 0)
     else:
         seq = int(cfg.data.max_length or 0) or int(_default_length(cfg) or 0)
         if getattr(mcfg, "input_type", "token") == "patch":
@@ -175,9 +176,7 @@ def plan(cfg: DictConfig) -> str:
     act = per_token_layer * layers * tokens_micro + logits
     act_ckpt = tokens_micro * mcfg.model_dim * 4 * layers + per_token_layer * tokens_micro + logits
 
-    accumulate = int(cfg.trainer.accumulate_grad_batches)
-    if lm and cfg.trainer.global_batch_tokens > 0:
-        accumulate = max(1, round(cfg.trainer.global_batch_tokens / (tokens_micro * world)))
+    accumulate = run.accumulate_grad_batches
     gathered = 2 * unit * (2 if bf16 else 4) if sharded else 0
     rows = [
         ("parameters (float32, sharded)", total * 4 / shard),

@@ -152,7 +152,7 @@ class SuiteModule(L.LightningModule):
                 {"params": [p for n, p in named if n not in exempt], "weight_decay": o["weight_decay"]},
                 {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0},
             ]
-        else:  # the reference code decays every parameter (SPEC §11)
+        else:  # the reference code decays every parameter (docs/architecture.md#paper-vs-reference-code)
             groups = [{"params": [p for _, p in named], "weight_decay": o["weight_decay"]}]
         opt = torch.optim.AdamW(
             groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], **self.adamw_kernels()
@@ -164,7 +164,7 @@ class SuiteModule(L.LightningModule):
     def adamw_kernels(self) -> dict:
         """AdamW's ``fused`` / ``foreach`` flags for ``optim.implementation``: fused (the default) updates
         every parameter in one kernel per step (the same update; 3.1x faster than the for-loop torch picks
-        on the CPU for pg19_small's 99 tensors, bench/RESULTS.md §24); a config from before the key existed
+        on the CPU for pg19_small's 99 tensors, bench/reports/2026-11-24-training-memory-ingest-adamw.md); a config from before the key existed
         gets the default."""
         impl = self.optim_cfg.get("implementation", "fused")
         if impl not in ADAMW_KERNELS:

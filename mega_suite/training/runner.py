@@ -14,14 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from mega_suite.config import (
     ConfigError,
-    check_cudagraph_mode,
-    data_module,
-    data_option,
-    device_count,
-    model_config,
     to_yaml,
-    tokens_per_sequence,
 )
+from mega_suite.config.run_plan import SHARDING_STRATEGIES, RunPlan, resolve_plan
 from mega_suite.evaluation.context import (
     default_context_lengths,
     documents_from_segments,
@@ -112,22 +107,6 @@ class ValWithTest(L.LightningDataModule):
         self.inner.load_state_dict(state)
 
 
-def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
-    """The data module of ``data.*`` (keys validated by ``settings.data_module``)."""
-    cls, kwargs = data_module(cfg)
-    return cls(**kwargs)
-
-
-def model_config_for(cfg: DictConfig, dm: Any):
-    """Vocabulary size and class count come from the data."""
-    updates = {}
-    if dm is not None and getattr(dm, "vocab_size", None):
-        updates["vocab_size"] = int(dm.vocab_size)
-    if cfg.task == "classify" and dm is not None and getattr(dm, "num_classes", None):
-        updates["num_classes"] = int(dm.num_classes)
-    return model_config(cfg, **updates)
-
-
 def _latest_run(root: Path, recipe: str) -> Path | None:
 
     runs = sorted(
@@ -170,9 +149,6 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
     raise FileNotFoundError(f"resume={resume!r}: expected 'auto', a run directory or a .ckpt file")
 
 
-SHARDING_STRATEGIES = ("fsdp", "hsdp")
-
-
 def build_strategy(cfg: DictConfig):
     """auto | ddp | fsdp (FSDP2 over every rank: a 1-D mesh) | hsdp (shard in a node, replicate across nodes);
     the meshes are ``mega_suite.distributed.fsdp.build_mesh``'s."""
@@ -190,29 +166,11 @@ def build_strategy(cfg: DictConfig):
     return "auto"
 
 
-def apply_global_batch(cfg: DictConfig) -> None:
-    """trainer.global_batch_tokens -> accumulate_grad_batches = round(target / (batch x mean tokens per sequence
-    x devices x nodes)), at least 1 (the paper's 4M-token batch of the 7B run; WikiText-103's 6144 x 24)."""
-    target = cfg.trainer.global_batch_tokens
-    if target <= 0:
-        return
-    per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * device_count(cfg) * cfg.trainer.num_nodes
-    accumulate = max(1, round(target / per_step))
-    cfg.trainer.accumulate_grad_batches = accumulate
-    check_cudagraph_mode(cfg)  # the accumulation is known only now
-    print(
-        f"[mega-suite] global batch {target} tokens = {per_step:g} tokens per step x {accumulate} accumulation "
-        f"({per_step * accumulate:g} tokens)"
-    )
-
-
-def build_trainer(
-    cfg: DictConfig, run_dir: Path, extra_callbacks: list | None = None, flops: float = 0.0
-) -> L.Trainer:
+def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = None) -> L.Trainer:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    t = cfg.trainer
+    cfg, t = plan.cfg, plan.cfg.trainer
     # every run sets it (also back to "highest"): a process that runs several (tests, notebooks) keeps no
     # earlier run's choice
     torch.set_float32_matmul_precision(t.float32_matmul_precision)
@@ -229,7 +187,7 @@ def build_trainer(
     callbacks = [
         checkpoint,
         StepSeed(cfg.seed),
-        TokenThroughput(t.log_every_n_steps, flops, t.peak_tflops),
+        TokenThroughput(t.log_every_n_steps, plan.flops_per_token, t.peak_tflops),
         GracefulStop(ckpt_dir / "last.ckpt"),
         LearningRateMonitor(logging_interval="step"),
     ]
@@ -246,7 +204,7 @@ def build_trainer(
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg),
         precision=t.precision,
-        accumulate_grad_batches=t.accumulate_grad_batches,
+        accumulate_grad_batches=plan.accumulate_grad_batches,
         val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None,
         limit_val_batches=limit_val,
@@ -296,18 +254,18 @@ def _run_in(
         (run_dir / name).write_text(text)
     print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
 
-    dm = build_datamodule(cfg)
+    plan = resolve_plan(cfg)
+    dm = plan.build_data()
     dm.prepare_data()
-    mcfg = model_config_for(cfg, dm)
-    apply_global_batch(cfg)
-    module = build_run_module(cfg, mcfg)
+    plan = plan.with_data(dm)
+    if plan.global_batch_line():
+        print(f"[mega-suite] {plan.global_batch_line()}")
+    module = build_run_module(plan)
     if cfg.init_from:
         init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
-    flops = 0.0
-    if cfg.task == "lm":
-        flops = arch_of(mcfg).flops_per_token(mcfg, int(data_option(cfg, "seq_len", 0) or 0))
-    trainer = build_trainer(cfg, run_dir, extra_callbacks, flops)
+    module.run_config["trainer"]["accumulate_grad_batches"] = plan.accumulate_grad_batches
+    trainer = build_trainer(plan, run_dir, extra_callbacks)
     if trainer.logger is not None and resume_ckpt is None:
         trainer.logger.log_hyperparams(_flatten(module.run_config))
     data = ValWithTest(dm)
@@ -345,19 +303,22 @@ def _run_in(
     return metrics
 
 
-def build_run_module(cfg: DictConfig, mcfg) -> L.LightningModule:
+def build_run_module(plan: RunPlan) -> L.LightningModule:
     """The LightningModule of a run; classifiers get the data module's ``label_smoothing`` (DeiT's 0.1 for
     ImageNet), applied to hard labels when mixup / cutmix are off (mixed labels carry it already)."""
+    cfg = plan.cfg
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer["accumulate_grad_batches"] = plan.accumulate_grad_batches
     kwargs = dict(
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        trainer=OmegaConf.to_container(cfg.trainer, resolve=True),
+        trainer=trainer,
         total_steps=cfg.trainer.max_steps,
-        meta_init=cfg.trainer.strategy in SHARDING_STRATEGIES,
+        meta_init=plan.sharded,
         init_seed=cfg.seed,
     )
     if cfg.task == "classify":
-        kwargs["label_smoothing"] = float(data_option(cfg, "label_smoothing", 0.0))
-    return build_module(cfg.task, mcfg, **kwargs)
+        kwargs["label_smoothing"] = plan.label_smoothing
+    return build_module(cfg.task, plan.model, **kwargs)
 
 
 def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
@@ -409,7 +370,9 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
     # Words of the documents evaluated (all of them, or the first eval_max_documents).
     words = sum(doc_words[: len(docs)]) or (getattr(dm, "num_words", None) or {}).get("val")
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
-    if cfg.trainer.chunk_parallel > 1:  # each window split across P spawned ranks (SPEC §8)
+    if (
+        cfg.trainer.chunk_parallel > 1
+    ):  # each window split across P spawned ranks (docs/architecture.md#chunk-parallelism)
         rows = eval_context_chunk_parallel(
             module.model, docs, lengths, cfg.trainer.chunk_parallel, cfg.trainer.chunk_parallel_mode,
             device.type, num_words=words,

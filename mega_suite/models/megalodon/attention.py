@@ -20,7 +20,7 @@ from mega_suite.models.megalodon.lean import rebuild_linear, recompute, recomput
 
 
 class MegalodonAttention(nn.Module):
-    """TimestepNorm -> CEMA -> normalised chunk attention with gated output (SPEC §1, first half)."""
+    """TimestepNorm -> CEMA -> normalised chunk attention with gated output (docs/architecture.md#the-block, first half)."""
 
     no_weight_decay_params = ("gamma", "beta")  # the Q/K scales and offsets
 

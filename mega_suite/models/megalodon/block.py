@@ -16,7 +16,7 @@ from mega_suite.models.megalodon.lean import dropout, rebuild_linear, recompute_
 
 
 class NormalizedFFN(nn.Module):
-    """LayerNorm -> SwiGLU (or SiLU) FFN, optional layer scale (SPEC §1, second half)."""
+    """LayerNorm -> SwiGLU (or SiLU) FFN, optional layer scale (docs/architecture.md#the-block, second half)."""
 
     def __init__(self, cfg: MegalodonConfig, layer_index: int = 0):
         super().__init__()

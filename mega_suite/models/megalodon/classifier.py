@@ -100,7 +100,7 @@ class ClassificationHead(nn.Module):
 
 
 class MegalodonClassifier(Backbone):
-    """Encoder -> bidirectional blocks with group norm -> final group norm -> pooled head (SPEC §6)."""
+    """Encoder -> bidirectional blocks with group norm -> final group norm -> pooled head (docs/architecture.md#classifier)."""
 
     def __init__(self, cfg: MegalodonConfig):
         super().__init__()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MegalodonConfig:
-    # --- backbone (SPEC §1, §9) ---
+    # --- backbone (docs/architecture.md) ---
     num_layers: int = 12  # number of Megalodon blocks
     model_dim: int = 1024  # D, residual width
     num_heads: int = 1  # h, attention heads (Q/K head width Z/h, value head width E/h)
@@ -30,7 +30,7 @@ class MegalodonConfig:
     # (u W_3) in backward from inputs kept anyway, instead of storing them (2E + F or 2E + 2F floats per token
     # and layer, one GEMM each); auto: when that is <= 5% of the block's FLOPs (``rebuilds_linears``)
     recompute_linears: str = "auto"
-    # --- language model (SPEC §5) ---
+    # --- language model (docs/architecture.md#language-model) ---
     vocab_size: int = 32000  # V
     scale_emb: bool = False  # multiply embeddings by sqrt(D)
     share_emb: bool = False  # tie the output projection to the embedding
@@ -38,7 +38,7 @@ class MegalodonConfig:
         default_factory=list
     )  # adaptive input + softmax bands, e.g. [20000, 60000]
     adaptive_factor: float = 4.0  # width divisor per band (adaptive input / softmax)
-    # --- classification (SPEC §6) ---
+    # --- classification (docs/architecture.md#classifier) ---
     num_classes: int = 0  # > 0 makes a classifier
     input_type: str = "token"  # token | scalar | patch
     image_size: int = 224  # patch encoder: input image side
@@ -85,7 +85,7 @@ class MegalodonConfig:
         Linears and 4x for attention (its backward recomputes the probabilities). The rebuild is
         2 D (2 E + (k - 1) F). listops (D 80, E = F = 160, n = 2000): 1.9%; text, C = 4000: 1.7%;
         megalodon_cpu_bench (D 512, E = F = 1024 SwiGLU, causal C = 2048): 14%; the 7B: 18%. Measured: 1.0x
-        step time at listops, 1.11-1.15x at cpu_bench (bench/RESULTS.md §17)."""
+        step time at listops, 1.11-1.15x at cpu_bench (bench/reports/2026-11-24-training-memory.md)."""
         if self.recompute_linears != "auto":
             return self.recompute_linears == "always"
         d, z, e, f = self.model_dim, self.z_dim, self.value_dim, self.ffn_hidden_dim

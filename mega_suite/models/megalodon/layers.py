@@ -26,7 +26,7 @@ class Linear(nn.Linear):
 
 @float32_island()
 class TimestepNorm(nn.Module):
-    """Causal group norm with statistics carried across segments (SPEC §3).
+    """Causal group norm with statistics carried across segments (docs/architecture.md#timestepnorm).
 
     With ``causal=False`` it is the whole-sequence group norm of the classifier (same parameters).
     The buffers ``prior_count, prior_mean, prior_logv`` are the reference release's initial state
@@ -67,7 +67,9 @@ class TimestepNorm(nn.Module):
             g, eps = self.num_groups, self.eps
             fn = functools.partial(group_norm, num_groups=g, eps=eps, padding_mask=padding_mask)
             return recompute(fn, x, self.weight, self.bias), None
-        if state is None and self.chunk_parallel is not None:  # x is one rank's slice (SPEC §8)
+        if (
+            state is None and self.chunk_parallel is not None
+        ):  # x is one rank's slice (docs/architecture.md#chunk-parallelism)
             return self.chunk_parallel.timestep_norm(self, x, padding_mask)
         if state is None and x.device.type == "cpu":  # the reference's cumulative sums: recomputed in
             # backward, only x stored (the CUDA Triton kernel keeps its own small statistics)
@@ -98,7 +100,7 @@ class LayerNorm(nn.LayerNorm):
 
 @float32_island()
 class ComplexEMA(nn.Module):
-    """Complex exponential moving average (SPEC §2); bidirectional for classification (2D rows)."""
+    """Complex exponential moving average (docs/architecture.md#cema); bidirectional for classification (2D rows)."""
 
     no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
     chunk_parallel = None  # a mega_suite.distributed.chunk_parallel.ChunkParallelContext while attached
@@ -129,7 +131,7 @@ class ComplexEMA(nn.Module):
         nn.init.trunc_normal_(self.omega, 0.0, 0.25, -1.0, 1.0)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(p, q, gamma) of SPEC §2; without autograd (decoding) cached until a parameter changes."""
+        """(p, q, gamma) of docs/architecture.md#cema; without autograd (decoding) cached until a parameter changes."""
         if torch.is_grad_enabled():
             return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
         params = (self.alpha, self.delta, self.theta, self.gamma)
@@ -148,7 +150,9 @@ class ComplexEMA(nn.Module):
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: [B, L, D] -> (y [B, L, D], h_last [B, D, N] complex or None)."""
-        if h0 is None and self.chunk_parallel is not None:  # x is one rank's slice (SPEC §8)
+        if (
+            h0 is None and self.chunk_parallel is not None
+        ):  # x is one rank's slice (docs/architecture.md#chunk-parallelism)
             return self.chunk_parallel.cema(self, x, padding_mask, return_state)
         p, q, gamma = self.coefficients()
         method = "sequential" if (h0 is not None or return_state) and x.shape[1] <= 16 else self.method

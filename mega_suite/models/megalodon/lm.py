@@ -74,7 +74,7 @@ class AdaptiveSoftmax(nn.AdaptiveLogSoftmaxWithLoss):
 
 
 class MegalodonLM(Backbone):
-    """Causal language model: embed -> blocks -> final TimestepNorm -> output projection (SPEC §5)."""
+    """Causal language model: embed -> blocks -> final TimestepNorm -> output projection (docs/architecture.md#language-model)."""
 
     def __init__(self, cfg: MegalodonConfig):
         super().__init__()
@@ -161,7 +161,7 @@ class MegalodonLM(Backbone):
         for layer in self.layers:
             norm = layer.mega.timenorm.initial_state(batch)
             # CEMA state None = zeros: the prompt's pass then skips the carried-state terms (no zero work).
-            # Not while chunk parallelism is attached: there h0=None means "this rank's slice" (SPEC §8).
+            # Not while chunk parallelism is attached: there h0=None means "this rank's slice" (docs/architecture.md#chunk-parallelism).
             cema_mod, h = layer.mega.cema, None
             if cema_mod.chunk_parallel is not None:
                 ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64

@@ -1,7 +1,7 @@
-"""Named Megalodon sizes (SPEC §9), registered with ``mega_suite.models``: ``create_model("megalodon_7b")``.
+"""Named Megalodon sizes (docs/recipes.md#task-hyperparameters), registered with ``mega_suite.models``: ``create_model("megalodon_7b")``.
 
 Language-model presets are the reference release's (200M, 1.3B, 1.3B-pg19) and the paper's 7B run.
-Task presets are the small-task table of SPEC §9; their ``vocab_size`` is a placeholder that the
+Task presets are the small-task table of docs/recipes.md#task-hyperparameters; their ``vocab_size`` is a placeholder that the
 experiment runner replaces by the data module's. The table's "drop" is the residual ``dropout``; hidden and
 attention dropout stay 0 as in Mega's LRA scripts (override ``model.attention_dropout`` for DropKey). Norm group counts of the task presets are not given by
 the paper; we use groups of 4-6 channels (``norm_num_groups`` below), a documented choice.
@@ -12,7 +12,7 @@ from __future__ import annotations
 _LM = dict(cema_ndim=16, norm_eps=1e-5, dropout=0.0, hidden_dropout=0.0, attention_dropout=0.0)
 
 PRESETS: dict[str, dict] = {
-    # --- language models (SPEC §9) ---
+    # --- language models (docs/recipes.md#task-hyperparameters) ---
     "megalodon_200m": dict(
         _LM,
         num_layers=12,
@@ -110,7 +110,7 @@ PRESETS: dict[str, dict] = {
         adaptive_cutoffs=[20000, 60000],  # adaptive input + softmax, factor 4, tied
         adaptive_factor=4.0,
     ),
-    # --- classification tasks (SPEC §9 small-task table; C = full length unless "-chunk") ---
+    # --- classification tasks (docs/recipes.md#task-hyperparameters small-task table; C = full length unless "-chunk") ---
     "lra_listops": dict(
         num_layers=6,
         model_dim=80,

@@ -32,7 +32,7 @@ class Decoder:
     scales); ``gemv``: "matmul" (BLAS), "rows" (``torch.mv`` over W [O, I]) or "mkldnn" (oneDNN, CPU);
     ``kv_dtype``: the dtype the unfinished chunk's keys and values are kept in while decoding (None: as
     computed). Activations, CEMA, every norm's statistics and the logits stay float32
-    (docs/long_context.md#decoding).
+    (docs/long_context.md#the-one-token-step).
     """
 
     def __init__(

@@ -17,7 +17,7 @@ parameter's storage pointer and version counter), so no step reads weights older
 Weights: float32, bfloat16 (activations rounded to bf16 at each GEMV, accumulated and returned in float32) or
 int8 weight-only (per-output-row scales). GEMV kinds: ``matmul`` (BLAS), ``rows`` (W [O, I] read by
 ``torch.mv``: what torch.compile turns into its own reductions) and ``mkldnn`` (oneDNN with the weight
-reordered once; CPU only). docs/long_context.md#decoding explains the choices; the figures behind them are
+reordered once; CPU only). docs/long_context.md#the-one-token-step explains the choices; the figures behind them are
 in bench/RESULTS.md.
 """
 
