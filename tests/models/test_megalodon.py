@@ -2,7 +2,7 @@
 initialisation statistics (docs/architecture.md#cema table, #notation Linear init, #language-model embedding), meta-device builds, classifier
 padding invariance and the errors a user can cause.
 
-The oracle (tests/model_oracle.py) is written from docs/architecture.md alone with literal loops.
+The oracle (tests/support/model_oracle.py) is written from docs/architecture.md alone with literal loops.
 """
 
 import math

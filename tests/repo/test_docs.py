@@ -26,7 +26,8 @@ FORBIDDEN = {
 
 def tracked_text_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [ROOT / f for f in out.split() if Path(f).suffix in TEXT_SUFFIXES or f == "Makefile"]
+    files = [ROOT / f for f in out.split() if Path(f).suffix in TEXT_SUFFIXES or f == "Makefile"]
+    return [f for f in files if f != Path(__file__).resolve()]  # its own planted mistakes
 
 
 def slug(heading: str) -> str:
@@ -75,7 +76,7 @@ def test_every_cited_document_section_and_path_exists():
 def test_nothing_cites_documents_the_repository_lacks():
     bad = []
     for path in tracked_text_files():
-        if path.is_relative_to(ROOT / "bench" / "reports") or path.name == "test_docs.py":
+        if path.is_relative_to(ROOT / "bench" / "reports"):
             continue  # dated reports quote the history as it was written
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             for pattern, fix in FORBIDDEN.items():
