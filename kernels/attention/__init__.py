@@ -24,7 +24,14 @@ from kernels import dispatch
 from kernels.attention import reference
 from kernels.attention.reference import attention_with_cache
 
-__all__ = ["PATHS", "attention_path", "chunk_attention", "attention_with_cache", "force_path", "fused_eligible"]
+__all__ = [
+    "PATHS",
+    "attention_path",
+    "chunk_attention",
+    "attention_with_cache",
+    "force_path",
+    "fused_eligible",
+]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_QK_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK, dk] tile per program (kernels.attention.triton)
