@@ -259,7 +259,7 @@ class SoftmaxBlocks:
     fwd_warps: int = 4
     bwd_m: int = 32
     bwd_n: int = 128
-    bwd_warps: int = 4
+    bwd_warps: int = 8
 
 
 _BLOCKS_OVERRIDE: SoftmaxBlocks | None = None
@@ -541,7 +541,9 @@ def _(q, k, v, key_padding_mask, seed, chunk_size, causal, dropout_p, length, ro
     schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor probs, Tensor? key_padding_mask, "
     "Tensor? seed, int chunk_size, bool causal, float dropout_p, int length, int row_block) -> (Tensor, Tensor, Tensor)",
 )
-def _bwd_op(do, q, k, v, o, lse, probs, key_padding_mask, seed, chunk_size, causal, dropout_p, length, row_block):
+def _bwd_op(
+    do, q, k, v, o, lse, probs, key_padding_mask, seed, chunk_size, causal, dropout_p, length, row_block
+):
     return probs_backward(
         do, q, k, v, o, lse, probs, key_padding_mask, seed, chunk_size, causal, dropout_p, length, row_block
     )
