@@ -205,6 +205,21 @@ def test_strided_inputs_and_broadcast_cotangent():
     assert_close_all(got, want, **FP32)
 
 
+@needs_device
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "saved_p"])
+def test_chunk_groups(monkeypatch, save):
+    """A scratch budget below one chunk's logits: the chunks run one group at a time (the kernels offset by
+    the group's first chunk for positions, DropKey and lse), padding, DropKey and a ragged last chunk."""
+    monkeypatch.setattr(probs, "SCRATCH_LOGITS", 2 * 2 * 8 * 8 * 2)  # two chunks of B 2, h 2, c 8
+    assert probs._chunk_groups(2, 2, 5, 8) == [(0, 2), (2, 4), (4, 5)]
+    B, H, dk, dv, L, C, p, seed = 2, 2, 16, 32, 37, 8, 0.25, 31
+    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=12)
+    kpm = padding(B, L, C, seed=12)
+    got = run_probs(q, k, v, do, C, True, kpm, p, seed, save_probs=save, row_block=3)
+    dropped = probs.dropkey_mask(seed, B, H, L, C, p, device=DEVICE)
+    assert_close_all(got, run_oracle(q, k, v, do, C, True, kpm, dropped), **FP32)
+
+
 def test_batch_views_are_views():
     """The GEMM batches are views of the inputs (no copies): all of (B, nc, h) in one batch where the strides
     merge, one batch per head for [B, L, h, d] storage, one per (batch, head) for [B, h, L, d] storage."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ DEBUG_NAN_FILL = os.environ.get("MEGA_SUITE_DEBUG_NAN_FILL", "0") == "1"
 SAVE_PROBS = os.environ.get("MEGA_SUITE_ATTENTION_SAVE_PROBS", "0") == "1"
 CAUSAL_ROW_BLOCKS = 4  # unmeasured until a GPU run (bench/attention_gpu.py times row_block choices)
 MIN_BLOCKED_CHUNK = 1024  # shorter causal chunks run as one square: unmeasured as well
+SCRATCH_LOGITS = 1 << 28  # chunks are processed in groups of at most this many logits (S: 1 GiB in float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ def _softmax_fwd_kernel(
     stride_sb, stride_sc, stride_sh, stride_sm, stride_sn,
     stride_pb, stride_pc, stride_ph, stride_pm, stride_pn,
     stride_kpm_b, stride_kpm_l,
-    c, L, Lp, H, row_block, dropout_p,
+    c, chunk0, L, Lp, H, row_block, dropout_p,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -98,7 +100,8 @@ def _softmax_fwd_kernel(
     for a row with no kept key). SINGLE: the whole row is one tile (BLOCK_N >= c), read once; else two passes
     (online max / sum, then P)."""
     m_block = tl.program_id(0)
-    chunk = tl.program_id(1)
+    local = tl.program_id(1).to(tl.int64)  # the chunk's index in the buffers (chunks chunk0.. of the call)
+    chunk = chunk0 + tl.program_id(1)
     bh = tl.program_id(2)
     b = (bh // H).to(tl.int64)  # 64-bit offsets: B * nc * h * c * c may exceed 2^31
     h = (bh % H).to(tl.int64)
@@ -108,8 +111,8 @@ def _softmax_fwd_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < c  # rows past chunk_len (padding of a ragged last chunk) get P = 0
     rows = offs_m[:, None].to(tl.int64)
-    s_rows = S + b * stride_sb + chunk.to(tl.int64) * stride_sc + h * stride_sh + rows * stride_sm
-    p_rows = P + b * stride_pb + chunk.to(tl.int64) * stride_pc + h * stride_ph + rows * stride_pm
+    s_rows = S + b * stride_sb + local * stride_sc + h * stride_sh + rows * stride_sm
+    p_rows = P + b * stride_pb + local * stride_pc + h * stride_ph + rows * stride_pm
     kpm_row = KPM + b * stride_kpm_b
     seed = 0
     if DROPOUT:
@@ -177,7 +180,7 @@ def _softmax_bwd_kernel(
     stride_dpb, stride_dpc, stride_dph, stride_dpm, stride_dpn,
     stride_dsb, stride_dsc, stride_dsh, stride_dsm, stride_dsn,
     stride_kpm_b, stride_kpm_l,
-    c, L, Lp, H, row_block, dropout_p,
+    c, chunk0, L, Lp, H, row_block, dropout_p,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, RECOMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -185,7 +188,7 @@ def _softmax_bwd_kernel(
     written for the dV GEMM; else P is the forward's (masked entries already 0) and only dS is written."""
     n_tiles = tl.cdiv(c, BLOCK_N)
     pid = tl.program_id(0)
-    chunk = tl.program_id(1)
+    chunk = chunk0 + tl.program_id(1)
     bh = tl.program_id(2)
     m_start = (pid // n_tiles) * BLOCK_M
     n_start = (pid % n_tiles) * BLOCK_N
@@ -193,7 +196,7 @@ def _softmax_bwd_kernel(
     if n_start < write_end:  # causal: tiles right of every row block's end are neither read nor written
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
-        ch = chunk.to(tl.int64)
+        ch = tl.program_id(1).to(tl.int64)  # the chunk's index in the buffers
         chunk_start = chunk * c
         chunk_len = tl.minimum(c, L - chunk_start)
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -334,14 +337,27 @@ def _batch_views(*ts: Tensor) -> list[tuple[Tensor, ...]]:
         return [tuple(t[b, :, i] for t in ts) for b in range(B) for i in range(H)]
 
 
+_OUT_DTYPE_OK = [True]
+
+
 def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
     """out = a @ b over 5-D [B, nc, h, m, k] @ [B, nc, h, k, n] views. A float32 ``out`` from 16-bit inputs
     keeps cuBLAS's float32 accumulator (``out_dtype``)."""
     for a3, b3, o3 in _batch_views(a, b, out):
         if o3.dtype == a3.dtype:
             torch.bmm(a3, b3, out=o3)
+        elif a3.is_cuda and _OUT_DTYPE_OK[0]:
+            try:
+                torch.bmm(a3, b3, out_dtype=o3.dtype, out=o3)
+            except RuntimeError as err:  # a torch / cuBLAS without bmm.dtype: 16-bit logits, said once
+                _OUT_DTYPE_OK[0] = False
+                warnings.warn(
+                    f"torch.bmm(out_dtype=float32) failed ({err}); S and dP rounded to {a3.dtype}",
+                    stacklevel=2,
+                )
+                o3.copy_(torch.bmm(a3, b3))
         elif a3.is_cuda:
-            torch.bmm(a3, b3, out_dtype=o3.dtype, out=o3)
+            o3.copy_(torch.bmm(a3, b3))
         else:  # CPU (interpreter tests) / meta: no bmm.dtype there; the same float32 products
             torch.bmm(a3.to(o3.dtype), b3.to(o3.dtype), out=o3)
 
@@ -389,6 +405,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, chunk_size: int, key_padding_mask: T
         raise ValueError(f"dropout_p must be in [0, 1], got {p}")
 
 
+def _chunk_groups(b: int, h: int, nc: int, c: int) -> list[tuple[int, int]]:
+    """Chunks [n0, n1) processed together: at most ``SCRATCH_LOGITS`` logits of scratch (S, dP, P, dS) at a
+    time, at least one chunk."""
+    group = max(1, min(nc, SCRATCH_LOGITS // max(1, b * h * c * c)))
+    return [(n0, min(nc, n0 + group)) for n0 in range(0, nc, group)]
+
+
 def probs_forward(
     q: Tensor,
     k: Tensor,
@@ -415,27 +438,30 @@ def probs_forward(
     c, nc = _geometry(q, chunk_size, length)
     q5, k5, v5, o5 = (_split(t, nc, c) for t in (q, k, v, o))
     blocks = _row_blocks(c, row_block, causal)
-    s = _alloc((b, nc, h, c, c), torch.float32, q.device)
-    with _no_autocast(q.device):
-        for r0, r1 in blocks:
-            e = r1 if causal else c
-            _matmul(q5[..., r0:r1, :], k5[..., :e, :].transpose(-1, -2), s[..., r0:r1, :e])
-    probs = _alloc((b, nc, h, c, c), q.dtype, q.device)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     cfg = default_blocks(c)
-    _softmax_fwd_kernel[(triton.cdiv(c, cfg.fwd_m), nc, b * h)](
-        s, probs, lse, kpm, seed if dropout else None, *s.stride(), *probs.stride(), skb, skl,
-        c, length, padded, h, row_block, float(dropout_p),
-        CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout, SINGLE=cfg.single,
-        BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, num_warps=cfg.fwd_warps,
-    )  # fmt: skip
-    del s
-    with _no_autocast(q.device):
-        for r0, r1 in blocks:
-            e = r1 if causal else c
-            _matmul(probs[..., r0:r1, :e], v5[..., :e, :], o5[..., r0:r1, :])
-    return o, lse, probs if save_probs else q.new_empty(0)
+    saved = _alloc((b, nc, h, c, c), q.dtype, q.device) if save_probs else None
+    for n0, n1 in _chunk_groups(b, h, nc, c):
+        qg, kg, vg, og = (t[:, n0:n1] for t in (q5, k5, v5, o5))
+        s = _alloc((b, n1 - n0, h, c, c), torch.float32, q.device)
+        with _no_autocast(q.device):
+            for r0, r1 in blocks:
+                e = r1 if causal else c
+                _matmul(qg[..., r0:r1, :], kg[..., :e, :].transpose(-1, -2), s[..., r0:r1, :e])
+        probs = saved[:, n0:n1] if save_probs else _alloc(s.shape, q.dtype, q.device)
+        _softmax_fwd_kernel[(triton.cdiv(c, cfg.fwd_m), n1 - n0, b * h)](
+            s, probs, lse, kpm, seed if dropout else None, *s.stride(), *probs.stride(), skb, skl,
+            c, n0, length, padded, h, row_block, float(dropout_p),
+            CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout, SINGLE=cfg.single,
+            BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, num_warps=cfg.fwd_warps,
+        )  # fmt: skip
+        del s
+        with _no_autocast(q.device):
+            for r0, r1 in blocks:
+                e = r1 if causal else c
+                _matmul(probs[..., r0:r1, :e], vg[..., :e, :], og[..., r0:r1, :])
+    return o, lse, saved if save_probs else q.new_empty(0)
 
 
 def probs_backward(
@@ -470,40 +496,41 @@ def probs_backward(
         o, do, delta, *o.stride(), *do.stride(), padded, h, DV=dv_width, BLOCK_L=64,
         BLOCK_DV=min(_pow2(dv_width), 128),
     )  # fmt: skip
-    q5, k5, v5, do5 = (_split(t, nc, c) for t in (q, k, v, do))
-    dq5, dk5, dv5 = (_split(t, nc, c) for t in (dq, dk, dv))
+    views = [_split(t, nc, c) for t in (q, k, v, do, dq, dk, dv)]
     blocks = _row_blocks(c, row_block, causal)
-    s = _alloc((b, nc, h, c, c), torch.float32, q.device) if recompute else probs  # probs: never read as S
-    dp = _alloc((b, nc, h, c, c), torch.float32, q.device)
-    with _no_autocast(q.device):
-        for r0, r1 in blocks:
-            e = r1 if causal else c
-            if recompute:
-                _matmul(q5[..., r0:r1, :], k5[..., :e, :].transpose(-1, -2), s[..., r0:r1, :e])
-            _matmul(do5[..., r0:r1, :], v5[..., :e, :].transpose(-1, -2), dp[..., r0:r1, :e])
-    if recompute:
-        probs = _alloc((b, nc, h, c, c), q.dtype, q.device)
-    ds = _alloc((b, nc, h, c, c), q.dtype, q.device)
     kpm, skb, skl, has_kpm = _mask_args(q, key_padding_mask)
     dropout = dropout_p > 0.0
     cfg = default_blocks(c)
-    grid = (triton.cdiv(c, cfg.bwd_m) * triton.cdiv(c, cfg.bwd_n), nc, b * h)
-    _softmax_bwd_kernel[grid](
-        s, probs, dp, ds, lse, delta, kpm, seed if dropout else None,
-        *s.stride(), *probs.stride(), *dp.stride(), *ds.stride(), skb, skl,
-        c, length, padded, h, row_block, float(dropout_p),
-        CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout, RECOMPUTE=recompute,
-        BLOCK_M=cfg.bwd_m, BLOCK_N=cfg.bwd_n, num_warps=cfg.bwd_warps,
-    )  # fmt: skip
-    del s, dp
-    with _no_autocast(q.device):
-        for r0, r1 in blocks:
-            e = r1 if causal else c
-            _matmul(ds[..., r0:r1, :e], k5[..., :e, :], dq5[..., r0:r1, :])
-            # Key block [r0, r1) is seen by queries r0.. (causal) or by all of them.
-            first = r0 if causal else 0
-            _matmul(probs[..., first:, r0:r1].transpose(-1, -2), do5[..., first:, :], dv5[..., r0:r1, :])
-            _matmul(ds[..., first:, r0:r1].transpose(-1, -2), q5[..., first:, :], dk5[..., r0:r1, :])
+    for n0, n1 in _chunk_groups(b, h, nc, c):
+        qg, kg, vg, dog, dqg, dkg, dvg = (t[:, n0:n1] for t in views)
+        shape = (b, n1 - n0, h, c, c)
+        p = _alloc(shape, q.dtype, q.device) if recompute else probs[:, n0:n1]
+        s = _alloc(shape, torch.float32, q.device) if recompute else p  # saved P: S is never read
+        dp = _alloc(shape, torch.float32, q.device)
+        with _no_autocast(q.device):
+            for r0, r1 in blocks:
+                e = r1 if causal else c
+                if recompute:
+                    _matmul(qg[..., r0:r1, :], kg[..., :e, :].transpose(-1, -2), s[..., r0:r1, :e])
+                _matmul(dog[..., r0:r1, :], vg[..., :e, :].transpose(-1, -2), dp[..., r0:r1, :e])
+        ds = _alloc(shape, q.dtype, q.device)
+        grid = (triton.cdiv(c, cfg.bwd_m) * triton.cdiv(c, cfg.bwd_n), n1 - n0, b * h)
+        _softmax_bwd_kernel[grid](
+            s, p, dp, ds, lse, delta, kpm, seed if dropout else None,
+            *s.stride(), *p.stride(), *dp.stride(), *ds.stride(), skb, skl,
+            c, n0, length, padded, h, row_block, float(dropout_p),
+            CAUSAL=bool(causal), HAS_KPM=has_kpm, DROPOUT=dropout, RECOMPUTE=recompute,
+            BLOCK_M=cfg.bwd_m, BLOCK_N=cfg.bwd_n, num_warps=cfg.bwd_warps,
+        )  # fmt: skip
+        del s, dp
+        with _no_autocast(q.device):
+            for r0, r1 in blocks:
+                e = r1 if causal else c
+                _matmul(ds[..., r0:r1, :e], kg[..., :e, :], dqg[..., r0:r1, :])
+                # Key block [r0, r1) is seen by queries r0.. (causal) or by all of them.
+                first = r0 if causal else 0
+                _matmul(p[..., first:, r0:r1].transpose(-1, -2), dog[..., first:, :], dvg[..., r0:r1, :])
+                _matmul(ds[..., first:, r0:r1].transpose(-1, -2), qg[..., first:, :], dkg[..., r0:r1, :])
     return dq, dk, dv
 
 
