@@ -130,6 +130,9 @@ def _paths(dk: int, dv: int, c: int) -> dict:
         "probs (recompute P, one square)": lambda q, k, v, C: probs.chunk_attention(
             q, k, v, C, True, row_block=c
         ),
+        "probs (recompute P, row_block 512)": lambda q, k, v, C: probs.chunk_attention(
+            q, k, v, C, True, row_block=512
+        ),
         "fused Triton (flash-style)": lambda q, k, v, C: fused.chunk_attention(q, k, v, C, True),
     }
     if dk == dv:

@@ -22,6 +22,8 @@ possible, else one call per head): no copies of q, k, v. S and dP are float32 (c
 Causal chunks are cut into row blocks of ``row_block`` queries: block r only multiplies keys up to its own
 end, so the GEMMs compute (blocks + 1) / (2 blocks) of the square instead of all of it, and the softmax
 kernels write P / dS only where some GEMM reads them (zeros above the diagonal inside a block).
+Chunks run in groups of at most ``SCRATCH_LOGITS`` logits, which bounds the scratch buffers (S and dP in
+float32, P and dS in the input dtype: 12 bytes per logit in backward) at long sequences.
 
 ``torch.compile``: the launchers are the custom ops ``mega_suite::probs_attention_fwd`` / ``_bwd`` with fake
 implementations, wired by :class:`ProbsAttentionFunction`, as in ``kernels.attention.triton``.
