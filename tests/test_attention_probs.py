@@ -221,14 +221,18 @@ def test_chunk_groups(monkeypatch, save):
 
 
 def test_batch_views_are_views():
-    """The GEMM batches are views of the inputs (no copies): all of (B, nc, h) in one batch where the strides
-    merge, one batch per head for [B, L, h, d] storage, one per (batch, head) for [B, h, L, d] storage."""
+    """The GEMM batches are views of the inputs (no copies), as few as the strides allow: all of (B, nc, h)
+    in one batch where they merge (one head, or one chunk of one sequence), else for [B, L, h, d] storage one
+    batch per head or per (sequence, chunk) whichever is fewer, one per (batch, head) for [B, h, L, d]."""
     B, nc, c, H, d = 2, 3, 4, 2, 5
     blhd = torch.randn(B, nc * c, H, d)
     one_head = torch.randn(B, nc * c, 1, d)
+    one_chunk = torch.randn(1, c, 4, d)  # the 7B at 4K: one sequence of one chunk, heads merge
+    many_heads = torch.randn(B, c, 4, d)  # one chunk, four heads: two (sequence, chunk) batches
     bhld = torch.randn(B, H, nc * c, d).transpose(1, 2)
-    for t, batches in ((one_head, 1), (blhd, H), (bhld, B * H)):
-        t5 = probs._split(t, nc, c)
+    cases = ((one_head, nc, 1), (one_chunk, 1, 1), (blhd, nc, H), (many_heads, 1, B), (bhld, nc, B * H))
+    for t, chunks, batches in cases:
+        t5 = probs._split(t, chunks, c)
         views = probs._batch_views(t5, t5.transpose(-1, -2))
         assert len(views) == batches
         for a, b in views:

@@ -326,17 +326,24 @@ def _split(t: Tensor, nc: int, c: int) -> Tensor:
 
 
 def _batch_views(*ts: Tensor) -> list[tuple[Tensor, ...]]:
-    """3-D views covering the leading [B, nc, h] of 5-D tensors: one batch when the strides of all of them
-    merge (B, nc, h), else one per head (B, nc merged), else one per (batch, head)."""
-    B, _, H = ts[0].shape[:3]
+    """3-D views covering the leading [B, nc, h] of 5-D tensors in as few batches as their strides allow:
+    all of (B, nc, h) merged where possible, else one call per head (B, nc merged), per (batch, chunk) (the
+    heads of one chunk are a strided batch) or per (batch, head), whichever is fewest calls."""
+    B, nc, H = ts[0].shape[:3]
     try:
         return [tuple(t.view(-1, *t.shape[-2:]) for t in ts)]
     except RuntimeError:
         pass
+    options = [
+        (B * nc, lambda: [tuple(t[b, n] for t in ts) for b in range(B) for n in range(nc)]),
+        (B * H, lambda: [tuple(t[b, :, i] for t in ts) for b in range(B) for i in range(H)]),
+    ]
     try:
-        return [tuple(t[:, :, i].view(-1, *t.shape[-2:]) for t in ts) for i in range(H)]
+        per_head = [tuple(t[:, :, i].view(-1, *t.shape[-2:]) for t in ts) for i in range(H)]
+        options.append((H, lambda: per_head))
     except RuntimeError:
-        return [tuple(t[b, :, i] for t in ts) for b in range(B) for i in range(H)]
+        pass
+    return min(options, key=lambda option: option[0])[1]()
 
 
 _OUT_DTYPE_OK = [True]
