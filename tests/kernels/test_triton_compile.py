@@ -25,6 +25,7 @@ in Triton's cache (``TRITON_CACHE_DIR``), so a second run takes seconds; registe
 come from running the bundled ``ptxas -v`` on the cached PTX.
 
 Standalone: ``python tests/kernels/test_triton_compile.py [--out FILE]`` prints the same table.
+``MEGA_SUITE_COMPILE_MODULES=kernels.attention.probs`` (comma-separated) compiles and checks only those modules.
 """
 
 from __future__ import annotations
@@ -43,12 +44,22 @@ MODULES = (
     "kernels.cema.triton",
     "kernels.timestep_norm.triton",
     "kernels.attention.triton",
+    "kernels.attention.probs",
     "kernels.gemv.triton",
 )
 ARCHS = (80, 90)
 # Largest shared memory one block may opt in to (CUDA programming guide, compute capabilities table).
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 REPORT = Path(tempfile.gettempdir()) / "mega_suite_triton_compile.md"
+
+
+def _selected_modules() -> tuple[str, ...]:
+    """MODULES, or the ones named in MEGA_SUITE_COMPILE_MODULES (comma-separated)."""
+    names = [n.strip() for n in os.environ.get("MEGA_SUITE_COMPILE_MODULES", "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        raise ValueError(f"MEGA_SUITE_COMPILE_MODULES names {unknown}; expected any of {MODULES}")
+    return tuple(names) or MODULES
 
 
 # ------------------------------------------------------------------------------------------------ scenarios
@@ -74,6 +85,25 @@ def _attention(b, length, h, dk, dv, chunk, causal, dtype, padding, dropout):
     seed = torch.zeros(1, dtype=torch.int64, device="meta") if dropout else None
     o, lse = fused.attention_forward(q, k, v, kpm, seed, chunk, causal, dropout)
     fused.attention_backward(torch.empty_like(o), q, k, v, o, lse, kpm, seed, chunk, causal, dropout)
+
+
+def _probs(b, length, h, dk, dv, chunk, causal, dtype, padding, dropout, save=False):
+    """kernels.attention.probs: the launchers of the custom ops, on inputs padded to whole chunks."""
+    import torch
+
+    from kernels.attention import probs
+
+    c = min(chunk, length)
+    padded = -(-length // c) * c
+    q, k = _meta(b, padded, h, dk, dtype=dtype), _meta(b, padded, h, dk, dtype=dtype)
+    v = _meta(b, padded, h, dv, dtype=dtype)
+    kpm = torch.zeros(b, length, dtype=torch.bool, device="meta") if padding else None
+    seed = torch.zeros(1, dtype=torch.int64, device="meta") if dropout else None
+    rb = probs.default_row_block(c, causal)
+    o, lse, p = probs.probs_forward(q, k, v, kpm, seed, chunk, causal, dropout, length, rb, save)
+    probs.probs_backward(
+        torch.empty_like(o), q, k, v, o, lse, p, kpm, seed, chunk, causal, dropout, length, rb
+    )
 
 
 def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=False):
@@ -153,6 +183,13 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         # LRA classifiers: float32, bidirectional, padding, DropKey, L not a multiple of 16, dV fused
         ("classifier fp32 pad+dropkey dk64 dv128 L1000", lambda: _attention(2, 1000, 1, 64, 128, 1000, False, _f32(), True, 0.1)),
         ("DropKey mask (tests)", _dropkey_mask),
+    ],
+    "kernels.attention.probs": [
+        # 7B: S, dP in float32 [4, 4096, 4096], one 4096-wide row per forward program, P recomputed / saved
+        ("7B LM bf16 causal dk256 dv2048 C4096", lambda: _probs(1, 4096, 4, 256, 2048, 4096, True, _bf16(), False, 0.0)),
+        ("7B LM bf16 causal, P saved for backward", lambda: _probs(1, 4096, 4, 256, 2048, 4096, True, _bf16(), False, 0.0, save=True)),
+        ("classifier fp32 pad+dropkey dk64 dv512 L1000", lambda: _probs(2, 1000, 1, 64, 512, 1000, False, _f32(), True, 0.1)),
+        ("bf16 C16384 dropkey: rows in two passes", lambda: _probs(1, 16384, 1, 64, 512, 16384, True, _bf16(), False, 0.1)),
     ],
     "kernels.cema.triton": [
         ("7B LM bf16 D4096 N16", lambda: _cema(1, 4096, 4096, 16, _bf16())),
@@ -237,7 +274,10 @@ def _record_launches():
         self.nargs = None
 
     JITFunction.run, Autotuner.run = jit_run, tuned_run
+    selected = _selected_modules()
     for module, scenarios in SCENARIOS.items():
+        if module not in selected:
+            continue
         for name, launch in scenarios:
             current.update(module=module, scenario=name)
             launch()
@@ -369,7 +409,7 @@ def child_main(out: Path) -> None:
     from triton.compiler import make_backend
 
     sys.path.insert(0, str(ROOT))
-    modules = {name: importlib.import_module(name) for name in MODULES}
+    modules = {name: importlib.import_module(name) for name in _selected_modules()}
     records = _record_launches()
 
     jobs, rows, seen = [], [], set()
