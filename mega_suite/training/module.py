@@ -163,9 +163,9 @@ class SuiteModule(L.LightningModule):
 
     def adamw_kernels(self) -> dict:
         """AdamW's ``fused`` / ``foreach`` flags for ``optim.implementation``: fused (the default) updates
-        every parameter in one kernel per step (the same update; 3.1x faster than the for-loop torch picks
-        on the CPU for pg19_small's 99 tensors, bench/reports/2026-11-24-training-memory-ingest-adamw.md); a config from before the key existed
-        gets the default."""
+        every parameter in one kernel per step (the same update as the for-loop torch picks on the CPU, several
+        times faster: bench/reports/2026-11-24-training-memory-ingest-adamw.md); a config from before the key
+        existed gets the default."""
         impl = self.optim_cfg.get("implementation", "fused")
         if impl not in ADAMW_KERNELS:
             raise ValueError(

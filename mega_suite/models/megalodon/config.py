@@ -83,9 +83,8 @@ class MegalodonConfig:
         Per token, forward: Linears 2 (D Z + 3 D E + D² + k D F) with k = 3 for SwiGLU, else 2; attention
         2 n (Z + E) over n keys (min(L, C), half of it when causal). Training is about 3x forward for the
         Linears and 4x for attention (its backward recomputes the probabilities). The rebuild is
-        2 D (2 E + (k - 1) F). listops (D 80, E = F = 160, n = 2000): 1.9%; text, C = 4000: 1.7%;
-        megalodon_cpu_bench (D 512, E = F = 1024 SwiGLU, causal C = 2048): 14%; the 7B: 18%. Measured: 1.0x
-        step time at listops, 1.11-1.15x at cpu_bench (bench/reports/2026-11-24-training-memory.md)."""
+        2 D (2 E + (k - 1) F): under 2% for the LRA recipes, 14-18% for the language models (what it costs
+        in step time: bench/reports/2026-11-24-training-memory.md)."""
         if self.recompute_linears != "auto":
             return self.recompute_linears == "always"
         d, z, e, f = self.model_dim, self.z_dim, self.value_dim, self.ffn_hidden_dim
