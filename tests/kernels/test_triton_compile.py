@@ -46,6 +46,7 @@ MODULES = (
     "kernels.attention.triton",
     "kernels.attention.probs",
     "kernels.gemv.triton",
+    "kernels.qk_norm_rope.triton",
 )
 ARCHS = (80, 90)
 # Largest shared memory one block may opt in to (CUDA programming guide, compute capabilities table).
@@ -164,6 +165,22 @@ def _gemv(o, i, dtype, bias, add):
     fused.row_gemv(_meta(o, i, dtype=dtype), _meta(i), vec if bias else None, vec if add else None)
 
 
+def _qk(b, length, h, zd, dtype, out_dtype):
+    """The custom ops' implementations, called directly (as ``_cema``)."""
+    import torch
+
+    from kernels.qk_norm_rope import triton as fused
+
+    z, gamma, beta, inv = (
+        _meta(b, length, h, zd, dtype=dtype),
+        _meta(2, h * zd),
+        _meta(2, h * zd),
+        _meta(zd // 2),
+    )
+    q, k = fused._forward(z, gamma, beta, inv, 0, length, 1e-5, out_dtype)
+    fused._backward(torch.empty_like(q), torch.empty_like(k), z, gamma, inv, 0, length, 1e-5)
+
+
 def _bf16():
     import torch
 
@@ -202,6 +219,10 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         ("7B decode m-pack bf16 13312x4096 +bias", lambda: _gemv(13312, 4096, _bf16(), True, False)),
         ("7B decode fc2 bf16 4096x8192 +residual", lambda: _gemv(4096, 8192, _bf16(), False, True)),
         ("7B decode W_v fp32 8192x4096 (float32 weights)", lambda: _gemv(8192, 4096, _f32(), False, False)),
+    ],
+    "kernels.qk_norm_rope.triton": [
+        ("7B LM bf16 h4 zd256", lambda: _qk(1, 4096, 4, 256, _bf16(), _bf16())),
+        ("classifier fp32 h1 zd64", lambda: _qk(2, 1000, 1, 64, _f32(), _f32())),
     ],
     "kernels.timestep_norm.triton": [
         ("7B LM bf16 D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16())),

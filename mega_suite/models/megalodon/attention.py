@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -12,11 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.attention import attention_with_cache, chunk_attention
-from mega_suite.models.common import RMSNorm, autocast_input, rope
+from kernels.qk_norm_rope import qk_norm_rope
+from mega_suite.models.common import RMSNorm, autocast_input
 from mega_suite.models.megalodon.cache import ChunkKV, LayerCache
 from mega_suite.models.megalodon.config import MegalodonConfig
 from mega_suite.models.megalodon.layers import ComplexEMA, Linear, TimestepNorm
-from mega_suite.models.megalodon.lean import rebuild_linear, recompute, recompute_saved, silu_gate_linear
+from mega_suite.models.megalodon.lean import rebuild_linear, recompute_saved, silu_gate_linear
 
 
 class MegalodonAttention(nn.Module):
@@ -65,22 +64,12 @@ class MegalodonAttention(nn.Module):
             v = F.silu(v_pre).view(b, length, h, -1)
         return z, v, self.wr(m), rebuild_pre
 
-    def _qk(self, z: Tensor, gamma: Tensor, beta: Tensor, positions: Tensor, dtype: torch.dtype):
-        """Z -> RoPE(Q), RoPE(K) in ``dtype``: per-head normalised Z (float32, or float64), scaled by
-        (1 + gamma) / sqrt(Z/h), offset by beta, rotated in float32, then V's dtype (the Linear layers'
-        compute dtype: bf16 under autocast), so Q, K and V reach ``chunk_attention`` in one dtype."""
-        h, zd = z.shape[-2:]
-        zf = z.float() if z.dtype != torch.float64 else z
-        z_hat = zf * torch.rsqrt(zf.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
-        scale = (1 + gamma.view(2, 1, 1, h, zd)) / math.sqrt(zd)
-        qk = z_hat.unsqueeze(0) * scale + beta.view(2, 1, 1, h, zd)
-        base = self.cfg.rope_base
-        return rope(qk[0], positions, base).to(dtype), rope(qk[1], positions, base).to(dtype)
-
-    def _rope(self, z: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """RoPE(Q), RoPE(K) from Z; under autograd only Z is stored (``lean.recompute``)."""
-        return recompute(
-            functools.partial(self._qk, positions=positions, dtype=v.dtype), z, self.gamma, self.beta
+    def _rope(self, z: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """RoPE(Q), RoPE(K) from Z, in V's dtype (the Linear layers' compute dtype: bf16 under autocast), so
+        Q, K and V reach ``chunk_attention`` in one dtype; under autograd only Z is stored."""
+        cfg = self.cfg
+        return qk_norm_rope(
+            z, self.gamma, self.beta, cfg.rope_base, cfg.norm_eps, cfg.chunk_size, start, v.dtype
         )
 
     def forward(
@@ -114,8 +103,7 @@ class MegalodonAttention(nn.Module):
         attn_p = cfg.attention_dropout if self.training else 0.0
         new_cache = None
         if cache is None or offset == 0:
-            positions = torch.arange(length, device=x.device) % c
-            q, k = self._rope(z, v, positions)
+            q, k = self._rope(z, v, 0)
             # Attention keeps no V of its own: V = SiLU(X̂ W_v + b) is rebuilt when backward needs it (the
             # GEMM is shared with SiLU's backward, see _qkv). Q, K are kept: rebuilding them measured slower
             # (their recompute for the Z gradient runs later, so it cannot be shared) and did not lower the peak.
@@ -130,8 +118,7 @@ class MegalodonAttention(nn.Module):
         else:
             if offset + length > c:
                 raise ValueError(f"streaming piece of {length} tokens at chunk offset {offset} crosses C={c}")
-            positions = torch.arange(offset, offset + length, device=x.device)
-            q, k = self._rope(z, v, positions)
+            q, k = self._rope(z, v, offset)
             # a chunk left in bf16 by decode steps (kv_dtype, autocast) continues in this segment's dtype
             kv = ChunkKV.new(k, v, c) if cache.kv is None else cache.kv.to(k.dtype).append(k, v)
             o = attention_with_cache(q, kv.keys, kv.values, offset)

@@ -1,0 +1,151 @@
+"""Q and K from Z (kernels/qk_norm_rope): the fused Triton kernel under the interpreter and the PyTorch
+reference, against a float64 oracle written here from docs/architecture.md#normalised-attention: per-head RMS
+normalisation, (1 + γ) / sqrt(zd) and β, RoPE on interleaved pairs at (start + l) mod C. Forward and every
+gradient (dZ, dγ, dβ) with random cotangents; fp32 and fp16; ragged widths and row counts; outputs pre-filled
+with NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from triton_support import DEVICE, nan_allocations, needs_device
+
+from kernels.qk_norm_rope import qk_norm_rope, reference
+
+BASE, EPS = 10000.0, 1e-5
+
+
+def oracle(z, gamma, beta, base, eps, chunk, start):
+    """float64, per element as written in the docs (autograd supplies the gradients)."""
+    z, gamma, beta = z.double(), gamma.double(), beta.double()
+    b, length, h, zd = z.shape
+    z_hat = z / torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
+    pos = ((torch.arange(length) + start) % chunk).double().view(1, length, 1)
+    outs = []
+    for row in range(2):
+        pre = z_hat * (1 + gamma[row].view(h, zd)) / math.sqrt(zd) + beta[row].view(h, zd)
+        cols = []
+        for i in range(zd // 2):
+            angle = pos * base ** (-(2 * i) / zd)
+            a0, a1 = pre[..., 2 * i], pre[..., 2 * i + 1]
+            cols += [
+                a0 * torch.cos(angle) - a1 * torch.sin(angle),
+                a0 * torch.sin(angle) + a1 * torch.cos(angle),
+            ]
+        outs.append(torch.stack(cols, -1))
+    return outs[0], outs[1]
+
+
+def inputs(b, length, h, zd, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    z = (torch.randn(b, length, h, zd, generator=gen) * 2 + 0.5).to(dtype)
+    gamma = torch.randn(2, h * zd, generator=gen) * 0.3
+    beta = torch.randn(2, h * zd, generator=gen) * 0.3
+    return z, gamma, beta
+
+
+def run(fn, z, gamma, beta, chunk, start, out_dtype, cot):
+    z, gamma, beta = (t.detach().clone().requires_grad_() for t in (z, gamma, beta))
+    q, k = fn(z, gamma, beta, chunk, start, out_dtype)
+    ((q.double() * cot[0]).sum() + (k.double() * cot[1]).sum()).backward()
+    return [t.detach().double() for t in (q, k, z.grad, gamma.grad, beta.grad)]
+
+
+def fused_fn(z, gamma, beta, chunk, start, out_dtype):
+    from kernels.qk_norm_rope import _inv_freq
+    from kernels.qk_norm_rope import triton as fused
+
+    inv = _inv_freq(z.shape[-1], BASE, z.device)
+    return fused.qk_norm_rope(z, gamma, beta, inv, EPS, chunk, start, out_dtype)
+
+
+def reference_fn(z, gamma, beta, chunk, start, out_dtype):
+    return qk_norm_rope(z, gamma, beta, BASE, EPS, chunk, start, out_dtype)
+
+
+def oracle_fn(z, gamma, beta, chunk, start, out_dtype):
+    return oracle(z, gamma, beta, BASE, EPS, chunk, start)
+
+
+def max_errors(got, want):
+    return [float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)) for g, w in zip(got, want)]
+
+
+@needs_device
+@pytest.mark.parametrize(
+    "b, length, h, zd, chunk, start",
+    [(2, 13, 2, 8, 5, 0), (1, 70, 1, 12, 16, 3), (2, 9, 3, 6, 4, 2), (1, 33, 1, 64, 33, 0)],
+)
+def test_fused_fp32_forward_and_gradients_equal_the_float64_oracle(b, length, h, zd, chunk, start):
+    """Rows not a multiple of the row block, half-widths not a power of two (zd 12, 6), chunks restarting
+    inside the sequence, a stream offset."""
+    z, gamma, beta = inputs(b, length, h, zd, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    cot = [torch.randn(b, length, h, zd, generator=gen, dtype=torch.float64) for _ in range(2)]
+    want = run(oracle_fn, z, gamma, beta, chunk, start, None, cot)
+    with nan_allocations():
+        got = run(fused_fn, z.to(DEVICE), gamma.to(DEVICE), beta.to(DEVICE), chunk, start, torch.float32, cot)
+    for name, err in zip(("q", "k", "dz", "dgamma", "dbeta"), max_errors([g.cpu() for g in got], want)):
+        assert err < 2e-5, f"{name}: relative error {err:.2e}"
+
+
+@needs_device
+def test_fused_fp16_is_as_close_as_the_reference_in_fp16():
+    """fp16 Z, Q and K: within twice the error of the same PyTorch code in fp16, plus a small atol."""
+    z, gamma, beta = inputs(2, 24, 2, 16, torch.float16, seed=3)
+    gen = torch.Generator().manual_seed(8)
+    cot = [torch.randn(2, 24, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
+    want = run(oracle_fn, z, gamma, beta, 8, 0, None, cot)
+    ref = max_errors(run(reference_fn, z, gamma, beta, 8, 0, torch.float16, cot), want)
+    got = max_errors(
+        [
+            g.cpu()
+            for g in run(fused_fn, z.to(DEVICE), gamma.to(DEVICE), beta.to(DEVICE), 8, 0, torch.float16, cot)
+        ],
+        want,
+    )
+    for name, g, r in zip(("q", "k", "dz", "dgamma", "dbeta"), got, ref):
+        assert g <= 2 * r + 1e-3, f"{name}: fused {g:.2e} against the fp16 reference's {r:.2e}"
+
+
+def test_reference_equals_the_float64_oracle_and_stores_only_z():
+    """The CPU path: float64 inputs give the oracle to rounding, gradients included; under autograd only Z
+    (and the parameters) are kept for backward (``kernels.recompute``)."""
+    z, gamma, beta = inputs(2, 11, 2, 8, torch.float64, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    cot = [torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+    got = run(reference_fn, z, gamma, beta, 4, 1, None, cot)
+    want = run(oracle_fn, z, gamma, beta, 4, 1, None, cot)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    saved = []
+    zz = z.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        reference.qk_norm_rope  # noqa: B018  (the module the dispatcher wraps)
+        qk_norm_rope(zz, gamma.requires_grad_(), beta.requires_grad_(), BASE, EPS, 4)
+    assert all(s in (zz.shape, gamma.shape) for s in saved), saved
+
+
+def test_bad_shapes_are_clear_errors():
+    z, gamma, beta = inputs(1, 4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"zd even"):
+        qk_norm_rope(z[..., :7], gamma, beta, BASE, EPS, 4)
+    with pytest.raises(ValueError, match=r"gamma and beta must be \[2, 16\]"):
+        qk_norm_rope(z, gamma[:, :8], beta, BASE, EPS, 4)
+
+
+@needs_device
+def test_the_custom_ops_pass_opcheck_and_compile_without_breaks():
+    from kernels.qk_norm_rope import _inv_freq
+
+    z, gamma, beta = (t.to(DEVICE) for t in inputs(1, 10, 2, 8, torch.float32))
+    inv = _inv_freq(8, BASE, z.device)
+    torch.library.opcheck(
+        torch.ops.mega_suite.qk_norm_rope_fwd, (z, gamma, beta, inv, 0, 5, EPS, torch.float32)
+    )
+    compiled = torch.compile(fused_fn, fullgraph=True, backend="aot_eager")
+    q, k = compiled(z, gamma, beta, 5, 0, torch.float32)
+    q2, k2 = fused_fn(z, gamma, beta, 5, 0, torch.float32)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
