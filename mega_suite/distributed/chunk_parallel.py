@@ -25,8 +25,10 @@ run in the same order in forward and backward on every rank.
 the states of rank r-1 (blocking), runs its slice from them and sends its final states to r+1; the
 backward sends the gradients back the same way. Same numbers, a (P-1)-layer pipeline bubble each way.
 
-Use: ``ctx = ChunkParallelContext.from_group(group)``; ``with ctx.attached(model): loss = ...; backward()``
-(the hook is a module attribute, so activation-checkpoint recomputation during backward sees it too);
+Use: ``ctx = ChunkParallelContext.from_group(group)``; ``with ctx.attached(model): loss = ...; backward()``.
+Attaching swaps each causal TimestepNorm's and CEMA's class for a chunk-parallel subclass whose full pass
+(no carried state) is the rank's slice, as FSDP2's ``fully_shard`` swaps classes; the model's own code knows
+nothing of it. The swap lasts until detached, so activation-checkpoint recomputation in backward sees it too;
 ``slice_batch`` cuts a batch for a rank; ``global_mean_loss`` averages over the whole sequence;
 ``reduce_gradients`` sums the parameter gradients over the group.
 """
@@ -34,6 +36,7 @@ Use: ``ctx = ChunkParallelContext.from_group(group)``; ``with ctx.attached(model
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -45,6 +48,7 @@ from torch import Tensor, nn
 
 from kernels.cema import cema
 from kernels.timestep_norm import merge_norm_states, timestep_norm
+from mega_suite.models.common import float32_island
 from mega_suite.models.megalodon.layers import ComplexEMA, TimestepNorm
 
 __all__ = [
@@ -142,7 +146,7 @@ class ChunkParallelContext:
             yield self
         finally:
             for m in modules:
-                m.chunk_parallel = None
+                _detach(m)
 
     # ------------------------------------------------------------------ the two layers
 
@@ -375,9 +379,44 @@ def _h0_term(c: Tensor, log_q: Tensor, length: int) -> Tensor:
 # --------------------------------------------------------------------------- model, batch and loss glue
 
 
-def attach(model: nn.Module, cp: ChunkParallelContext | None) -> list[nn.Module]:
-    """Set (or clear, with None) the chunk-parallel hook of every causal TimestepNorm and CEMA in ``model``."""
+class _SliceNorm:
+    """A causal TimestepNorm whose full pass (no carried state) is this rank's slice; streaming is unchanged."""
 
+    def forward(self, x: Tensor, state=None, padding_mask: Tensor | None = None):
+        if state is None:
+            return self._chunk_parallel.timestep_norm(self, x, padding_mask)
+        return super().forward(x, state, padding_mask)
+
+
+class _SliceCEMA:
+    """A causal CEMA whose full pass (no carried state, none returned) is this rank's slice; a stream, which
+    carries its state, is unchanged."""
+
+    def forward(self, x: Tensor, h0=None, padding_mask: Tensor | None = None, return_state: bool = False):
+        if h0 is None and not return_state:
+            return self._chunk_parallel.cema(self, x, padding_mask, return_state)
+        return super().forward(x, h0, padding_mask, return_state)
+
+
+@functools.cache
+def _slice_class(base: type) -> type:
+    mixin = _SliceNorm if issubclass(base, TimestepNorm) else _SliceCEMA
+    return float32_island()(type(f"ChunkParallel{base.__name__}", (mixin, base), {}))
+
+
+def _detach(module: nn.Module) -> None:
+    base = module.__dict__.pop("_chunk_parallel_base", None)
+    if base is not None:
+        module.__class__ = base
+        del module._chunk_parallel
+
+
+def is_attached(module: nn.Module) -> bool:
+    return "_chunk_parallel_base" in module.__dict__
+
+
+def attach(model: nn.Module, cp: ChunkParallelContext | None) -> list[nn.Module]:
+    """Run every causal TimestepNorm and CEMA of ``model`` as this rank's slice under ``cp`` (None: detach)."""
     modules = [
         m
         for m in model.modules()
@@ -386,7 +425,13 @@ def attach(model: nn.Module, cp: ChunkParallelContext | None) -> list[nn.Module]
     if cp is not None and not modules:
         raise ValueError(f"{type(model).__name__} has no causal TimestepNorm or CEMA to run chunk-parallel")
     for m in modules:
-        m.chunk_parallel = cp
+        if cp is None:
+            _detach(m)
+            continue
+        if not is_attached(m):
+            m._chunk_parallel_base = type(m)
+            m.__class__ = _slice_class(type(m))
+        m._chunk_parallel = cp
     return modules
 
 

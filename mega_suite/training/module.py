@@ -354,7 +354,7 @@ class CausalLM(SuiteModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        # The chunk-parallel hooks stay attached through the backward (activation checkpointing recomputes
+        # The chunk-parallel layers stay attached through the backward (activation checkpointing recomputes
         # the norms and CEMA there) and are cleared before any evaluation, which attaches its own.
         if self.chunk_parallel is not None:
             attach(self.model, self.chunk_parallel)

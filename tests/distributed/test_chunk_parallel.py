@@ -14,7 +14,9 @@ from spawn_support import free_port, spawn
 from mega_suite.distributed.chunk_parallel import (
     ChunkParallelContext,
     _h0_term,
+    attach,
     global_mean_loss,
+    is_attached,
     reduce_gradients,
     slice_batch,
     slice_bounds,
@@ -167,7 +169,8 @@ def _validation_step(model: MegalodonLM, rank: int, world: int) -> None:
         where = f"rank {rank}/{world} validation_step L={length}"
         assert _rel(total[0], ref) <= 1e-10, f"{where}: NLL sum {float(total[0])} vs {float(ref)}"
         assert total[1:].tolist() == [2 * length - 1, 11], f"{where}: tokens, words {total[1:].tolist()}"
-    assert all(m.chunk_parallel is None for m in model.modules() if hasattr(m, "chunk_parallel"))
+    assert not any(is_attached(m) for m in model.modules())
+    assert {type(m).__name__ for m in model.modules()} >= {"TimestepNorm", "ComplexEMA"}
 
 
 def _padded_layers(model: MegalodonLM, rank: int, world: int) -> None:
@@ -422,3 +425,26 @@ def test_run_eval_context_with_chunk_parallel_2(tmp_path, capfd):
     for one, two in zip(rows[1], rows[2], strict=True):  # context, tokens scored, token ppl, word ppl
         assert two[:2] == one[:2]
         assert two[2:] == pytest.approx(one[2:], rel=1e-5)
+
+
+def test_attaching_swaps_only_the_full_pass_of_the_causal_layers():
+    """Attached, a causal TimestepNorm / CEMA is a chunk-parallel subclass (still a float32 island) whose full
+    pass is the rank's slice; a stream with a fresh cache (CEMA state None, returned) never takes that path,
+    so its logits are the detached model's; detaching restores the classes. The slice path is reached only
+    through the context (a planted object with no methods would raise there)."""
+    torch.manual_seed(0)
+    model = MegalodonLM(MegalodonConfig(**CFG)).double().eval()
+    tokens = torch.randint(0, CFG["vocab_size"], (2, 11))
+    with torch.no_grad():
+        want, _ = model(tokens, use_cache=True)
+        modules = attach(model, object())
+        assert modules and all(is_attached(m) and type(m).__name__.startswith("ChunkParallel") for m in modules)
+        assert all(getattr(m, "float32_island", False) for m in modules)
+        assert all(lc.cema is None for lc in model.new_cache(2).layers)
+        got, _ = model(tokens, use_cache=True)
+        with pytest.raises(AttributeError):
+            model(tokens)  # the full pass asks the (planted) context for the slice
+        attach(model, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not any(is_attached(m) for m in model.modules())
+    assert {type(m).__name__ for m in modules} == {"TimestepNorm", "ComplexEMA"}

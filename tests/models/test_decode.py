@@ -262,17 +262,6 @@ def test_decode_options_are_checked():
         decode.Decoder(model, torch.float32, kv_dtype=torch.float16)
 
 
-def test_fresh_cache_has_no_cema_state_unless_chunk_parallel_is_attached():
-    """A fresh stream's CEMA state is None (zeros, skipped by the prompt's pass); while a chunk-parallel
-    context is attached, h0=None means "this rank's slice", so the state is explicit zeros."""
-    model = make_lm()
-    assert all(lc.cema is None for lc in model.new_cache(2).layers)
-    model.layers[1].mega.cema.chunk_parallel = object()  # what ChunkParallelContext.attached sets
-    layers = model.new_cache(2).layers
-    assert layers[0].cema is None
-    assert layers[1].cema.dtype == torch.complex64 and not layers[1].cema.any()
-
-
 # ------------------------------------------------------------------ StaticDecoder (the CUDA-graph step)
 
 

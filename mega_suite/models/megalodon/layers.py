@@ -34,8 +34,6 @@ class TimestepNorm(nn.Module):
     count 0, which is the same thing while the count is 0.
     """
 
-    chunk_parallel = None  # a mega_suite.distributed.chunk_parallel.ChunkParallelContext while attached
-
     def __init__(self, dim: int, num_groups: int, eps: float = 1e-5, causal: bool = True):
         super().__init__()
         self.dim, self.num_groups, self.eps, self.causal = dim, num_groups, eps, causal
@@ -67,10 +65,6 @@ class TimestepNorm(nn.Module):
             g, eps = self.num_groups, self.eps
             fn = functools.partial(group_norm, num_groups=g, eps=eps, padding_mask=padding_mask)
             return recompute(fn, x, self.weight, self.bias), None
-        if (
-            state is None and self.chunk_parallel is not None
-        ):  # x is one rank's slice (docs/architecture.md#chunk-parallelism)
-            return self.chunk_parallel.timestep_norm(self, x, padding_mask)
         if state is None and x.device.type == "cpu":  # the reference's cumulative sums: recomputed in
             # backward, only x stored (the CUDA Triton kernel keeps its own small statistics)
             fn = functools.partial(self._flat_norm, padding_mask=padding_mask)
@@ -103,8 +97,6 @@ class ComplexEMA(nn.Module):
     """Complex exponential moving average (docs/architecture.md#cema); bidirectional for classification (2D rows)."""
 
     no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
-    chunk_parallel = None  # a mega_suite.distributed.chunk_parallel.ChunkParallelContext while attached
-
     def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
         super().__init__()
         self.dim, self.ndim, self.bidirectional, self.method = dim, ndim, bidirectional, method
@@ -150,10 +142,6 @@ class ComplexEMA(nn.Module):
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: [B, L, D] -> (y [B, L, D], h_last [B, D, N] complex or None)."""
-        if (
-            h0 is None and self.chunk_parallel is not None
-        ):  # x is one rank's slice (docs/architecture.md#chunk-parallelism)
-            return self.chunk_parallel.cema(self, x, padding_mask, return_state)
         p, q, gamma = self.coefficients()
         method = "sequential" if (h0 is not None or return_state) and x.shape[1] <= 16 else self.method
         return cema(

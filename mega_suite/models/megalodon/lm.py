@@ -160,14 +160,8 @@ class MegalodonLM(Backbone):
         layers = []
         for layer in self.layers:
             norm = layer.mega.timenorm.initial_state(batch)
-            # CEMA state None = zeros: the prompt's pass then skips the carried-state terms (no zero work).
-            # Not while chunk parallelism is attached: there h0=None means "this rank's slice" (docs/architecture.md#chunk-parallelism).
-            cema_mod, h = layer.mega.cema, None
-            if cema_mod.chunk_parallel is not None:
-                ctype = torch.complex128 if cema_mod.alpha.dtype == torch.float64 else torch.complex64
-                d, n = self.cfg.model_dim, self.cfg.cema_ndim
-                h = torch.zeros(batch, d, n, dtype=ctype, device=cema_mod.alpha.device)
-            layers.append(LayerCache(norm, h, window=NormWindow(norm) if window_stats else None))
+            # CEMA state None = zeros: the prompt's pass then skips the carried-state terms (no zero work)
+            layers.append(LayerCache(norm, None, window=NormWindow(norm) if window_stats else None))
         final = self.output.final_norm.initial_state(batch)
         return StreamingCache(0, layers, final, window_stats, NormWindow(final) if window_stats else None)
 
