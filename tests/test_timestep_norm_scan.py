@@ -79,12 +79,11 @@ def force_blocks(monkeypatch, groups_per_tile=None, scan_block=None, tiles_per_p
             fused, "_config", lambda *a: (lambda bt, gb, bf, w: (bt, groups_per_tile, bf, w))(*config(*a))
         )
     if scan_block is not None:
-        scan = fused._scan_config
-        monkeypatch.setattr(fused, "_scan_config", lambda *a: (scan_block, scan(*a)[1]))
+        monkeypatch.setattr(fused, "_scan_config", lambda tiles: scan_block)
     if tiles_per_program is not None:
         monkeypatch.setattr(fused, "_tiles_per_program", lambda tiles, programs: min(tiles_per_program, tiles))
     if reduce_block is not None:
-        monkeypatch.setattr(fused, "_reduce_block", lambda d: reduce_block)
+        monkeypatch.setattr(fused, "_reduce_block", lambda d: (reduce_block, 2))  # 2 partial rows per step
 
 
 def make(B, L, D, G, seed, loc=2.0, state=False, padding=False):

@@ -17,10 +17,11 @@ forward
                          "step units" (M2 / n is the variance). Statistics are taken of x - r with r the
                          first valid step's mean (exact: Sterbenz), so inputs with a large mean (~N(100, 1))
                          lose nothing to cancellation.
-  2. ``_fwd_tile_scan``  per (group block, row): the incoming state merged with the tiles in order
+  2. ``_fwd_tile_scan``  per (group, row): the incoming state merged with the tiles in order
                          (``tl.associative_scan`` of ``_chan`` over blocks of tiles, the carry between blocks);
-                         in place: tile summaries -> tile start states. Also the final state, the count, and
-                         a per-(b, g) constant c (the final mean's hi part) near every running mean.
+                         in place: tile summaries [B, G, tiles, 4] -> tile start states. Also the final state,
+                         the count, and a per-(b, g) constant c (the final mean's hi part) near every running
+                         mean.
   3. ``_fwd_output``     per tile: per-step running statistics from the start state and in-tile prefix sums
                          of shifted quantities (relative to r = hi), then y; saves per step M_t - c and
                          rstd_t [B, L, G, 2] and 1 / n_t [B, L] for the backward.
@@ -37,9 +38,9 @@ The incoming state gets g_mean0 = n_0 (A_0 + 2 (mean0 - c) B_0), g_var0 = n_0 B_
   4. ``_bwd_tile_sums``  per tile (a few tiles per program): Σ_t of the two summands (A, B) over the tile,
                          from the saved statistics (no running statistics recomputed); and the partial
                          Σ gy ŷ, Σ gy per feature for dweight, dbias over the program's tiles.
-  5. ``_bwd_tile_scan``  per (group block, row): reverse exclusive sums over tiles -> the (A, B) carried into
-                         each tile (in place), the incoming state's gradients; further programs of the same
-                         launch sum the dweight / dbias partials in a fixed order.
+  5. ``_bwd_tile_scan``  per (group, row): reverse exclusive sums over tiles -> the (A, B) carried into each
+                         tile (in place), the incoming state's gradients; further programs of the same launch
+                         sum the dweight / dbias partials in a fixed order.
   6. ``_bwd_dx``         per tile: in-tile reverse cumulative sums + carry -> dx.
 Statistics are float32 whatever x's dtype. No atomics: runs are bitwise reproducible.
 """
@@ -121,8 +122,8 @@ def _chan(na, ha, la, ma, nb, hb, lb, mb):
 
 @triton.jit
 def _last_row(t, idx, SB: tl.constexpr):
-    """Row SB - 1 of a [SB, GBS] tensor (exact: the other rows add zeros)."""
-    return tl.sum(tl.where((idx == SB - 1)[:, None], t, 0.0), axis=0)
+    """Element SB - 1 of an [SB] tensor (exact: the others add zeros)."""
+    return tl.sum(tl.where(idx == SB - 1, t, 0.0), axis=0)
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -146,7 +147,7 @@ def _fwd_tile_stats(
     dd = delta - e[None, :]
     m2 = tl.sum(w * (var + dd * dd), axis=0)
     hi, lo = _two_sum(r, e)
-    sp = st_ptr + ((b.to(tl.int64) * NC + c) * G + groups) * 4
+    sp = st_ptr + ((b.to(tl.int64) * G + groups) * NC + c) * 4
     tl.store(sp, k, mask=g_ok)
     tl.store(sp + 1, hi, mask=g_ok)
     tl.store(sp + 2, lo, mask=g_ok)
@@ -156,67 +157,60 @@ def _fwd_tile_stats(
 @triton.jit
 def _fwd_tile_scan(
     st_ptr, count0_ptr, mean0_ptr, var0_ptr, mean_ptr, var_ptr, count_ptr, shift_ptr, G, NC,
-    HAS_STATE: tl.constexpr, SB: tl.constexpr, GBS: tl.constexpr,
+    HAS_STATE: tl.constexpr, SB: tl.constexpr,
 ):  # fmt: skip
-    """In place: tile summaries -> tile start states (the incoming state merged with every earlier tile).
-    Out: the final mean, variance [B, G] and count [B], and the shift (c, final mean - c) [B, G, 2]."""
-    pg, b = tl.program_id(0), tl.program_id(1)
-    groups = pg * GBS + tl.arange(0, GBS)
-    g_ok = groups < G
-    b64 = b.to(tl.int64)
+    """Per (group, row), in place: tile summaries -> tile start states (the incoming state merged with every
+    earlier tile), SB tiles at a time. Out: the final mean, variance [B, G] and count [B], and the shift
+    (c, final mean - c) [B, G, 2]."""
+    g, b = tl.program_id(0), tl.program_id(1)
+    op = b.to(tl.int64) * G + g
     if HAS_STATE:
         count0 = tl.load(count0_ptr + b)
-        mean0 = tl.load(mean0_ptr + b64 * G + groups, mask=g_ok, other=0.0)
-        var0 = tl.load(var0_ptr + b64 * G + groups, mask=g_ok, other=1.0)
+        mean0 = tl.load(mean0_ptr + op)
+        var0 = tl.load(var0_ptr + op)
     else:
         count0 = tl.zeros([], dtype=tl.int64)
-        mean0 = tl.zeros([GBS], dtype=tl.float32)
-        var0 = tl.full([GBS], 1.0, tl.float32)
-    cn = tl.zeros([GBS], dtype=tl.float32) + count0.to(tl.float32)
+        mean0 = tl.zeros([], dtype=tl.float32)
+        var0 = tl.full([], 1.0, tl.float32)
+    cn = count0.to(tl.float32)
     ch = tl.where(cn > 0, mean0, 0.0)
-    cl = tl.zeros([GBS], dtype=tl.float32)
+    cl = tl.zeros([], dtype=tl.float32)
     cm = cn * tl.where(cn > 0, var0, 0.0)
-    seen = tl.zeros([GBS], dtype=tl.float32)  # valid steps of this segment
+    seen = tl.zeros([], dtype=tl.float32)  # valid steps of this segment
     idx = tl.arange(0, SB)
+    base = st_ptr + op * NC * 4
     for blk in range(tl.cdiv(NC, SB)):
         tiles = blk * SB + idx
-        mask = (tiles < NC)[:, None] & g_ok[None, :]
-        sp = st_ptr + ((b64 * NC + tiles[:, None]) * G + groups[None, :]) * 4
-        k = tl.load(sp, mask=mask, other=0.0)
-        h = tl.load(sp + 1, mask=mask, other=0.0)
-        l = tl.load(sp + 2, mask=mask, other=0.0)
-        m = tl.load(sp + 3, mask=mask, other=0.0)
+        ok = tiles < NC
+        sp = base + tiles * 4
+        k = tl.load(sp, mask=ok, other=0.0)
+        h = tl.load(sp + 1, mask=ok, other=0.0)
+        l = tl.load(sp + 2, mask=ok, other=0.0)
+        m = tl.load(sp + 3, mask=ok, other=0.0)
         seen += tl.sum(k, axis=0)
-        first = sp + 0 * idx[:, None]  # row 0 of the block gets the carry
-        row0 = (idx == 0)[:, None] & mask
-        tl.store(first, cn[None, :] + 0.0 * k, mask=row0)
-        tl.store(first + 1, ch[None, :] + 0.0 * k, mask=row0)
-        tl.store(first + 2, cl[None, :] + 0.0 * k, mask=row0)
-        tl.store(first + 3, cm[None, :] + 0.0 * k, mask=row0)
+        row0 = (idx == 0) & ok  # the block's first tile starts from the carry
+        tl.store(sp, cn + 0.0 * k, mask=row0)
+        tl.store(sp + 1, ch + 0.0 * k, mask=row0)
+        tl.store(sp + 2, cl + 0.0 * k, mask=row0)
+        tl.store(sp + 3, cm + 0.0 * k, mask=row0)
         # the carry merged into the block's first tile, then an inclusive scan over the block
-        n1, h1, l1, m1 = _chan(cn[None, :], ch[None, :], cl[None, :], cm[None, :], k, h, l, m)
-        is0 = (idx == 0)[:, None]
+        n1, h1, l1, m1 = _chan(cn, ch, cl, cm, k, h, l, m)
+        is0 = idx == 0
         k, h, l, m = tl.where(is0, n1, k), tl.where(is0, h1, h), tl.where(is0, l1, l), tl.where(is0, m1, m)
         k, h, l, m = tl.associative_scan((k, h, l, m), 0, _chan)
-        # tile t's inclusive state starts tile t + 1
-        nxt = (idx < SB - 1)[:, None] & ((tiles + 1) < NC)[:, None] & g_ok[None, :]
-        tl.store(sp + 4 * G, k, mask=nxt)
-        tl.store(sp + 4 * G + 1, h, mask=nxt)
-        tl.store(sp + 4 * G + 2, l, mask=nxt)
-        tl.store(sp + 4 * G + 3, m, mask=nxt)
+        nxt = (idx < SB - 1) & (tiles + 1 < NC)  # tile t's inclusive state starts tile t + 1
+        tl.store(sp + 4, k, mask=nxt)
+        tl.store(sp + 5, h, mask=nxt)
+        tl.store(sp + 6, l, mask=nxt)
+        tl.store(sp + 7, m, mask=nxt)
         cn, ch, cl, cm = _last_row(k, idx, SB), _last_row(h, idx, SB), _last_row(l, idx, SB), _last_row(m, idx, SB)
     keep = seen == 0  # no valid step: the incoming state passes through unchanged
-    mean = tl.where(keep, mean0, ch + cl)
-    var = tl.where(keep, var0, cm / tl.maximum(cn, 1.0))
-    shift = tl.where(keep, mean0, ch)
-    op = b64 * G + groups
-    tl.store(mean_ptr + op, mean, mask=g_ok)
-    tl.store(var_ptr + op, var, mask=g_ok)
-    tl.store(shift_ptr + op * 2, shift, mask=g_ok)
-    tl.store(shift_ptr + op * 2 + 1, tl.where(keep, 0.0, cl), mask=g_ok)
-    if pg == 0:
-        steps = tl.max(tl.where(g_ok, seen, 0.0), axis=0)
-        tl.store(count_ptr + b, count0 + steps.to(tl.int64))
+    tl.store(mean_ptr + op, tl.where(keep, mean0, ch + cl))
+    tl.store(var_ptr + op, tl.where(keep, var0, cm / tl.maximum(cn, 1.0)))
+    tl.store(shift_ptr + op * 2, tl.where(keep, mean0, ch))
+    tl.store(shift_ptr + op * 2 + 1, tl.where(keep, 0.0, cl))
+    if g == 0:
+        tl.store(count_ptr + b, count0 + seen.to(tl.int64))
 
 
 @triton.jit
@@ -229,7 +223,7 @@ def _fwd_output(
         x_ptr, pad_ptr, b, c, gb, L, D, G, DG, BT, GB, BF, HAS_PAD
     )
     b64 = b.to(tl.int64)
-    sp = st_ptr + ((b64 * NC + c) * G + groups) * 4
+    sp = st_ptr + ((b64 * G + groups) * NC + c) * 4
     n0 = tl.load(sp, mask=g_ok, other=0.0)
     hi = tl.load(sp + 1, mask=g_ok, other=0.0)
     lo = tl.load(sp + 2, mask=g_ok, other=0.0)
@@ -302,17 +296,21 @@ def _bwd_tile_sums(
     over them (dweight, dbias partials)."""
     gb, p, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
+    groups = gb * GB + tl.arange(0, GB)
+    g_ok = groups < G
+    cols = groups[:, None] * DG + tl.arange(0, BF)[None, :]
+    col_ok = g_ok[:, None] & (tl.arange(0, BF)[None, :] < DG)
     acc_w = tl.zeros([GB, BF], dtype=tl.float32)
     acc_b = tl.zeros([GB, BF], dtype=tl.float32)
     for i in range(TPP):
         c = p * TPP + i
-        a, bb, _, _, gy, _, yhat, _, _, _, groups, g_ok, cols, col_ok = _bwd_terms(
+        a, bb, _, _, gy, _, yhat, _, _, _, _, _, _, _ = _bwd_terms(
             x_ptr, pad_ptr, gy_ptr, w_ptr, stats_ptr, inv_n_ptr, shift_ptr, b, c, gb, L, D, G, DG,
             BT, GB, BF, HAS_PAD,
         )  # fmt: skip
         acc_w += tl.sum(gy * yhat, axis=0)
         acc_b += tl.sum(gy, axis=0)
-        sp = sums_ptr + ((b64 * NC + c) * G + groups) * 2
+        sp = sums_ptr + ((b64 * G + groups) * NC + c) * 2
         ok = g_ok & ((groups * 0 + c) < NC)
         tl.store(sp, tl.sum(a, axis=0), mask=ok)
         tl.store(sp + 1, tl.sum(bb, axis=0), mask=ok)
@@ -324,68 +322,64 @@ def _bwd_tile_sums(
 @triton.jit
 def _bwd_tile_scan(
     sums_ptr, gm_ptr, gv_ptr, count_ptr, shift_ptr, count0_ptr, mean0_ptr, gmean0_ptr, gvar0_ptr,
-    part_ptr, dw_ptr, db_ptr, B, D, G, NC, NP,
+    part_ptr, dw_ptr, db_ptr, B, D, G, NC, ROWS,
     HAS_GM: tl.constexpr, HAS_GV: tl.constexpr, HAS_STATE: tl.constexpr,
-    SB: tl.constexpr, GBS: tl.constexpr, RB: tl.constexpr,
+    SB: tl.constexpr, RR: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, B * ceil(G / GBS)): in place, tile sums -> the (A, B) carried into each tile from the
-    right, plus the returned state's cotangents; out, the incoming state's gradients. Programs after
-    them: dweight, dbias = Σ of the partials, in a fixed order, RB features each."""
+    """Programs [0, B * G), one per (row, group): in place, tile sums -> the (A, B) carried into each tile from
+    the right, plus the returned state's cotangents; out, the incoming state's gradients. Programs after
+    them: dweight, dbias = Σ over the ROWS partials [ROWS, 2, D], RR rows at a time, RB features each (a
+    fixed order: deterministic)."""
     pid = tl.program_id(0)
-    nsg = tl.cdiv(G, GBS)
-    if pid < B * nsg:
-        b, pg = pid // nsg, pid % nsg
-        b64 = b.to(tl.int64)
-        groups = pg * GBS + tl.arange(0, GBS)
-        g_ok = groups < G
-        op = b64 * G + groups
+    if pid < B * G:
+        b, g = pid // G, pid % G
+        op = b.to(tl.int64) * G + g
         nf = tl.load(count_ptr + b).to(tl.float32)
         inv_nf = tl.where(nf > 0, 1.0 / tl.maximum(nf, 1.0), 0.0)
-        cs = tl.load(shift_ptr + op * 2, mask=g_ok, other=0.0)
-        lo_f = tl.load(shift_ptr + op * 2 + 1, mask=g_ok, other=0.0)  # final mean - c
-        gm = tl.zeros([GBS], dtype=tl.float32)
-        gv = tl.zeros([GBS], dtype=tl.float32)
+        cs = tl.load(shift_ptr + op * 2)
+        lo_f = tl.load(shift_ptr + op * 2 + 1)  # final mean - c
+        gm = tl.zeros([], dtype=tl.float32)
+        gv = tl.zeros([], dtype=tl.float32)
         if HAS_GM:
-            gm = tl.load(gm_ptr + op, mask=g_ok, other=0.0)
+            gm = tl.load(gm_ptr + op)
         if HAS_GV:
-            gv = tl.load(gv_ptr + op, mask=g_ok, other=0.0)
+            gv = tl.load(gv_ptr + op)
         ca = (gm - 2.0 * gv * lo_f) * inv_nf  # the returned state: one more step after the last
         cb = gv * inv_nf
         idx = tl.arange(0, SB)
+        base = sums_ptr + op * NC * 2
         for blk in range(tl.cdiv(NC, SB)):
             tiles = NC - (blk + 1) * SB + idx  # right to left
-            mask = (tiles >= 0)[:, None] & g_ok[None, :]
-            sp = sums_ptr + ((b64 * NC + tiles[:, None]) * G + groups[None, :]) * 2
-            a = tl.load(sp, mask=mask, other=0.0)
-            bb = tl.load(sp + 1, mask=mask, other=0.0)
-            last = (idx == SB - 1)[:, None] & mask
-            tl.store(sp, ca[None, :] + 0.0 * a, mask=last)
-            tl.store(sp + 1, cb[None, :] + 0.0 * a, mask=last)
-            ia = tl.cumsum(a, axis=0, reverse=True) + ca[None, :]
-            ib = tl.cumsum(bb, axis=0, reverse=True) + cb[None, :]
-            prev = (idx > 0)[:, None] & (tiles > 0)[:, None] & g_ok[None, :]  # tile t's sum ends tile t - 1
-            tl.store(sp - 2 * G, ia, mask=prev)
-            tl.store(sp - 2 * G + 1, ib, mask=prev)
-            is0 = (idx == 0)[:, None]
-            ca = tl.sum(tl.where(is0, ia, 0.0), axis=0)
-            cb = tl.sum(tl.where(is0, ib, 0.0), axis=0)
+            ok = tiles >= 0
+            sp = base + tiles * 2
+            a = tl.load(sp, mask=ok, other=0.0)
+            bb = tl.load(sp + 1, mask=ok, other=0.0)
+            last = (idx == SB - 1) & ok
+            tl.store(sp, ca + 0.0 * a, mask=last)
+            tl.store(sp + 1, cb + 0.0 * a, mask=last)
+            ia = tl.cumsum(a, axis=0, reverse=True) + ca
+            ib = tl.cumsum(bb, axis=0, reverse=True) + cb
+            prev = (idx > 0) & (tiles > 0)  # tile t's sum (and all after it) ends tile t - 1
+            tl.store(sp - 2, ia, mask=prev)
+            tl.store(sp - 1, ib, mask=prev)
+            ca = tl.sum(tl.where(idx == 0, ia, 0.0), axis=0)
+            cb = tl.sum(tl.where(idx == 0, ib, 0.0), axis=0)
         if HAS_STATE:
             n0 = tl.load(count0_ptr + b).to(tl.float32)
-            mean0 = tl.load(mean0_ptr + op, mask=g_ok, other=0.0)
-            g_mean0 = tl.where(nf == 0, gm, n0 * (ca + 2.0 * (mean0 - cs) * cb))
-            g_var0 = tl.where(nf == 0, gv, n0 * cb)
-            tl.store(gmean0_ptr + op, g_mean0, mask=g_ok)
-            tl.store(gvar0_ptr + op, g_var0, mask=g_ok)
+            mean0 = tl.load(mean0_ptr + op)
+            tl.store(gmean0_ptr + op, tl.where(nf == 0, gm, n0 * (ca + 2.0 * (mean0 - cs) * cb)))
+            tl.store(gvar0_ptr + op, tl.where(nf == 0, gv, n0 * cb))
     else:
-        cols = (pid - B * nsg) * RB + tl.arange(0, RB)
+        cols = (pid - B * G) * RB + tl.arange(0, RB)
         c_ok = cols < D
+        rows = tl.arange(0, RR)
         acc_w = tl.zeros([RB], dtype=tl.float32)
         acc_b = tl.zeros([RB], dtype=tl.float32)
-        pp = part_ptr + cols
-        for _ in range(B * NP):
-            acc_w += tl.load(pp, mask=c_ok, other=0.0)
-            acc_b += tl.load(pp + D, mask=c_ok, other=0.0)
-            pp += 2 * D
+        for r0 in range(0, ROWS, RR):
+            mask = ((r0 + rows) < ROWS)[:, None] & c_ok[None, :]
+            pp = part_ptr + (r0 + rows)[:, None].to(tl.int64) * 2 * D + cols[None, :]
+            acc_w += tl.sum(tl.load(pp, mask=mask, other=0.0), axis=0)
+            acc_b += tl.sum(tl.load(pp + D, mask=mask, other=0.0), axis=0)
         tl.store(dw_ptr + cols, acc_w, mask=c_ok)
         tl.store(db_ptr + cols, acc_b, mask=c_ok)
 
@@ -399,7 +393,7 @@ def _bwd_dx(
     a, bb, xc, rstd, _, gyhat, _, valid, elem, offs, groups, g_ok, _, _ = _bwd_terms(
         x_ptr, pad_ptr, gy_ptr, w_ptr, stats_ptr, inv_n_ptr, shift_ptr, b, c, gb, L, D, G, DG, BT, GB, BF, HAS_PAD
     )
-    cp = car_ptr + ((b.to(tl.int64) * NC + c) * G + groups) * 2
+    cp = car_ptr + ((b.to(tl.int64) * G + groups) * NC + c) * 2
     big_a = tl.cumsum(a, axis=0, reverse=True) + tl.load(cp, mask=g_ok, other=0.0)[None, :]
     big_b = tl.cumsum(bb, axis=0, reverse=True) + tl.load(cp + 1, mask=g_ok, other=0.0)[None, :]
     dx = rstd[:, :, None] * gyhat + (big_a[:, :, None] + 2.0 * big_b[:, :, None] * xc) / DG
@@ -419,19 +413,19 @@ def _config(length: int, group_width: int, num_groups: int, block_t: int | None)
         block_t = max(1, min(64, 4096 // (gb * bf)))
     block_t = min(triton.next_power_of_2(block_t), triton.next_power_of_2(max(length, 1)))
     size = block_t * gb * bf
-    warps = 8 if size >= 8192 else 4 if size >= 2048 else (2 if size >= 512 else 1)
+    warps = 8 if size >= 4096 else 4 if size >= 1024 else (2 if size >= 256 else 1)
     return block_t, gb, bf, warps
 
 
-def _scan_config(tiles: int, num_groups: int):
-    """(SB tiles per scan block, GBS groups per scan program)."""
-    gbs = min(triton.next_power_of_2(num_groups), 64)
-    return min(triton.next_power_of_2(tiles), max(1, 1024 // gbs)), gbs
+def _scan_config(tiles: int) -> int:
+    """Tiles per block of the scans over tiles (one program per row and group)."""
+    return min(triton.next_power_of_2(tiles), 512)
 
 
-def _reduce_block(d: int) -> int:
-    """Features per program of the dweight / dbias sum."""
-    return min(triton.next_power_of_2(d), 256)
+def _reduce_block(d: int) -> tuple[int, int]:
+    """(features per program, partial rows per step) of the dweight / dbias sum."""
+    rb = min(triton.next_power_of_2(d), 128)
+    return rb, max(1, 2048 // rb)
 
 
 def _tiles_per_program(tiles: int, programs: int) -> int:
@@ -451,7 +445,7 @@ def _forward(x, weight, bias, count0, mean0, var0, pad, groups: int, eps: float,
     dev, f32 = x.device, torch.float32
     pad_arg = pad if pad is not None else x
     has_state = count0.numel() > 0
-    starts = torch.empty(b, nc, groups, 4, device=dev, dtype=f32)
+    starts = torch.empty(b, groups, nc, 4, device=dev, dtype=f32)
     _fwd_tile_stats[grid](
         x, pad_arg, starts, length, d, groups, nc, dg,
         HAS_PAD=pad is not None, BT=bt, GB=gb, BF=bf, num_warps=warps,
@@ -460,11 +454,10 @@ def _forward(x, weight, bias, count0, mean0, var0, pad, groups: int, eps: float,
     var = torch.empty(b, groups, device=dev, dtype=f32)
     count = torch.empty(b, device=dev, dtype=torch.int64)
     shift = torch.empty(b, groups, 2, device=dev, dtype=f32)
-    sb, gbs = _scan_config(nc, groups)
-    _fwd_tile_scan[(triton.cdiv(groups, gbs), b)](
+    _fwd_tile_scan[(groups, b)](
         starts, count0 if has_state else count, mean0 if has_state else mean, var0 if has_state else var,
         mean, var, count, shift, groups, nc,
-        HAS_STATE=has_state, SB=sb, GBS=gbs, num_warps=4,
+        HAS_STATE=has_state, SB=_scan_config(nc), num_warps=4,
     )  # fmt: skip
     y = torch.empty_like(x)
     stats = torch.empty(b, length, groups, 2, device=dev, dtype=f32)
@@ -489,7 +482,7 @@ def _backward(x, pad, weight, gy, g_mean, g_var, count0, mean0, count, stats, in
     dev, f32 = x.device, torch.float32
     pad_arg = pad if pad is not None else x
     has_state = count0.numel() > 0
-    sums = torch.empty(b, nc, groups, 2, device=dev, dtype=f32)
+    sums = torch.empty(b, groups, nc, 2, device=dev, dtype=f32)
     part = torch.empty(b * n_part, 2, d, device=dev, dtype=f32)
     _bwd_tile_sums[(ngb, n_part, b)](
         x, pad_arg, gy, weight, stats, inv_n, shift, sums, part, length, d, groups, nc, n_part, dg, tpp,
@@ -499,15 +492,13 @@ def _backward(x, pad, weight, gy, g_mean, g_var, count0, mean0, count, stats, in
     g_var0 = torch.empty(mean0.shape, device=dev, dtype=f32)
     dweight = torch.empty(d, device=dev, dtype=f32)
     dbias = torch.empty(d, device=dev, dtype=f32)
-    sb, gbs = _scan_config(nc, groups)
-    rb = _reduce_block(d)
-    scan_programs = b * triton.cdiv(groups, gbs)
-    _bwd_tile_scan[(scan_programs + triton.cdiv(d, rb),)](
+    rb, rr = _reduce_block(d)
+    _bwd_tile_scan[(b * groups + triton.cdiv(d, rb),)](
         sums, g_mean if g_mean is not None else sums, g_var if g_var is not None else sums, count, shift,
         count0 if has_state else count, mean0 if has_state else shift, g_mean0, g_var0, part, dweight, dbias,
-        b, d, groups, nc, n_part,
-        HAS_GM=g_mean is not None, HAS_GV=g_var is not None, HAS_STATE=has_state, SB=sb, GBS=gbs, RB=rb,
-        num_warps=4,
+        b, d, groups, nc, b * n_part,
+        HAS_GM=g_mean is not None, HAS_GV=g_var is not None, HAS_STATE=has_state, SB=_scan_config(nc),
+        RR=rr, RB=rb, num_warps=4,
     )  # fmt: skip
     dx = torch.empty_like(x)
     _bwd_dx[(ngb, nc, b)](
@@ -526,13 +517,7 @@ def _f32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
-@torch.library.custom_op(
-    "mega_suite::timestep_norm_fwd",
-    mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor bias, Tensor mean0, Tensor var0, Tensor count0, Tensor? pad, "
-    "int num_groups, float eps, int? block_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-def _tsn_fwd_op(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
+def _tsn_forward(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
     """(y, final mean, variance [B, G] float32, final count [B] int64, then for the backward: per-step
     statistics [B, L, G, 2], 1 / n_t [B, L] and the shift [B, G, 2]). Without a carried state mean0, var0,
     count0 are empty."""
@@ -540,6 +525,27 @@ def _tsn_fwd_op(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, bloc
         x.contiguous(), weight.contiguous(), bias.contiguous(), count0, _f32(mean0).contiguous(),
         _f32(var0).contiguous(), pad, num_groups, eps, block_t,
     )  # fmt: skip
+
+
+def _tsn_backward(gy, g_mean, g_var, x, pad, weight, count0, mean0, count, stats, inv_n, shift, num_groups, eps,
+                  block_t):  # fmt: skip
+    """(dx, dweight, dbias float32 [D], the incoming mean's and variance's gradients float32 [B, G], empty
+    without a carried state)."""
+    f = lambda t: None if t is None else _f32(t).contiguous()
+    return _backward(
+        x.contiguous(), pad, weight.contiguous(), gy.contiguous(), f(g_mean), f(g_var), count0,
+        _f32(mean0).contiguous(), count, stats, inv_n, shift, num_groups, block_t,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "mega_suite::timestep_norm_fwd",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor bias, Tensor mean0, Tensor var0, Tensor count0, Tensor? pad, "
+    "int num_groups, float eps, int? block_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _tsn_fwd_op(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
+    return _tsn_forward(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t)
 
 
 @_tsn_fwd_op.register_fake
@@ -562,13 +568,9 @@ def _(x, weight, bias, mean0, var0, count0, pad, num_groups, eps, block_t):
 )
 def _tsn_bwd_op(gy, g_mean, g_var, x, pad, weight, count0, mean0, count, stats, inv_n, shift, num_groups, eps,
                 block_t):  # fmt: skip
-    """(dx, dweight, dbias float32 [D], the incoming mean's and variance's gradients float32 [B, G], empty
-    without a carried state)."""
-    f = lambda t: None if t is None else _f32(t).contiguous()
-    return _backward(
-        x.contiguous(), pad, weight.contiguous(), gy.contiguous(), f(g_mean), f(g_var), count0,
-        _f32(mean0).contiguous(), count, stats, inv_n, shift, num_groups, block_t,
-    )  # fmt: skip
+    return _tsn_backward(
+        gy, g_mean, g_var, x, pad, weight, count0, mean0, count, stats, inv_n, shift, num_groups, eps, block_t
+    )
 
 
 @_tsn_bwd_op.register_fake
