@@ -513,13 +513,15 @@ def _bwd_main(
 def _bwd_reduce(
     part_ptr, gom_part_ptr, gql_ptr, gr_ptr, gi_ptr, gp_ptr, gq_ptr, gg_ptr, gom_ptr,
     DN, D, ROWS, PLANE, B, OUT0,
-    HAS_GLAST: tl.constexpr, OMEGA: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GLAST: tl.constexpr, OMEGA: tl.constexpr, GS: tl.constexpr, RR: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Sums over the (batch, chunk) partials [5, ROWS, D, N] in a fixed order (no atomics): G_p, G_γ = Σ W_h
-    and G_q = conj(γ) Σ W_D (+ Σ_b conj(D_{L-1}) G_last), written from flat element OUT0 on (G_q, G_γ
-    interleaved re / im). Programs after the first ceil(DN / BLOCK): G_ω = Σ of its partials [ROWS, D]."""
+    """Sums over the (batch, chunk) partials [5, ROWS, D, N], RR rows at a time in a fixed order (no atomics):
+    G_p, G_γ = Σ W_h and G_q = conj(γ) Σ W_D (+ Σ_b conj(D_{L-1}) G_last), written from flat element OUT0 on
+    (G_q, G_γ interleaved re / im). Programs after the first ceil(DN / BLOCK): G_ω = Σ of its partials
+    [ROWS, D]."""
     pid = tl.program_id(0)
     nflat = tl.cdiv(DN, BLOCK)
+    rows = tl.arange(0, RR)
     if pid < nflat:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < DN
@@ -528,14 +530,14 @@ def _bwd_reduce(
         acc_hi = tl.zeros([BLOCK], dtype=tl.float32)
         acc_dr = tl.zeros([BLOCK], dtype=tl.float32)
         acc_di = tl.zeros([BLOCK], dtype=tl.float32)
-        ptr = part_ptr + offs
-        for _ in range(ROWS):
-            acc_p += tl.load(ptr, mask=mask, other=0.0)
-            acc_hr += tl.load(ptr + PLANE, mask=mask, other=0.0)
-            acc_hi += tl.load(ptr + 2 * PLANE, mask=mask, other=0.0)
-            acc_dr += tl.load(ptr + 3 * PLANE, mask=mask, other=0.0)
-            acc_di += tl.load(ptr + 4 * PLANE, mask=mask, other=0.0)
-            ptr += DN
+        for r0 in range(0, ROWS, RR):
+            m2 = ((r0 + rows) < ROWS)[:, None] & mask[None, :]
+            ptr = part_ptr + (r0 + rows)[:, None].to(tl.int64) * DN + offs[None, :]
+            acc_p += tl.sum(tl.load(ptr, mask=m2, other=0.0), axis=0)
+            acc_hr += tl.sum(tl.load(ptr + PLANE, mask=m2, other=0.0), axis=0)
+            acc_hi += tl.sum(tl.load(ptr + 2 * PLANE, mask=m2, other=0.0), axis=0)
+            acc_dr += tl.sum(tl.load(ptr + 3 * PLANE, mask=m2, other=0.0), axis=0)
+            acc_di += tl.sum(tl.load(ptr + 4 * PLANE, mask=m2, other=0.0), axis=0)
         gr = tl.load(gr_ptr + offs * GS, mask=mask, other=0.0)
         gi = tl.load(gi_ptr + offs * GS, mask=mask, other=0.0)
         gqr = gr * acc_dr + gi * acc_di
@@ -554,10 +556,10 @@ def _bwd_reduce(
         cols = (pid - nflat) * BLOCK + tl.arange(0, BLOCK)
         c_ok = cols < D
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        ptr = gom_part_ptr + cols
-        for _ in range(ROWS):
-            acc += tl.load(ptr, mask=c_ok, other=0.0)
-            ptr += D
+        for r0 in range(0, ROWS, RR):
+            m2 = ((r0 + rows) < ROWS)[:, None] & c_ok[None, :]
+            ptr = gom_part_ptr + (r0 + rows)[:, None].to(tl.int64) * D + cols[None, :]
+            acc += tl.sum(tl.load(ptr, mask=m2, other=0.0), axis=0)
         tl.store(gom_ptr + cols, acc, mask=c_ok)
 
 
@@ -672,8 +674,10 @@ def _state_block(dn: int) -> int:
     return min(64, triton.next_power_of_2(dn))
 
 
-def _reduce_block(dn: int) -> int:
-    return min(256, triton.next_power_of_2(dn))
+def _reduce_block(dn: int) -> tuple[int, int]:
+    """(elements per program, partial rows per step) of the sum over (batch, chunk) partials."""
+    block = min(128, triton.next_power_of_2(dn))
+    return block, max(1, 1024 // block)
 
 
 def _forward(
@@ -750,12 +754,12 @@ def _backward(
         GS=cf.gs, num_warps=warps,
     )  # fmt: skip
     g_p, g_q, g_g, g_om = grads
-    rb = _reduce_block(d * n)
+    rb, rr = _reduce_block(d * n)
     programs = triton.cdiv(d * n, rb) + (triton.cdiv(d, rb) if g_om is not None else 0)
     _bwd_reduce[(programs,)](
         partial, g_omega, g_q_last, cf.gr, cf.gi, g_p, g_q, g_g, g_om if g_om is not None else g_p,
         d * n, d, b * nc, b * nc * d * n, b, row0 * n,
-        HAS_GLAST=has_glast, OMEGA=g_om is not None, GS=cf.gs, BLOCK=rb, num_warps=4,
+        HAS_GLAST=has_glast, OMEGA=g_om is not None, GS=cf.gs, RR=rr, BLOCK=rb, num_warps=4,
     )  # fmt: skip
 
 
@@ -975,7 +979,7 @@ def cema(
 
 def _coef_launch(rows: int, n: int):
     bn = triton.next_power_of_2(n)
-    br = max(1, min(triton.next_power_of_2(rows), 1024 // bn))
+    br = max(1, min(triton.next_power_of_2(rows), 256 // bn))  # float64 sin / cos: few elements per thread
     return (triton.cdiv(rows, br),), br, bn
 
 
@@ -993,6 +997,10 @@ def _check_parameters(alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor
     schema="(Tensor alpha, Tensor delta, Tensor theta, Tensor gamma) -> (Tensor, Tensor, Tensor)",
 )
 def _coef_fwd_op(alpha, delta, theta, gamma):
+    return _coefficients_forward(alpha, delta, theta, gamma)
+
+
+def _coefficients_forward(alpha, delta, theta, gamma):
     """(p [R, N], q [R, N, 2], γ [R, N, 2]) float32, q and γ interleaved (re, im)."""
     rows, n = alpha.shape[:2]
     dev, f32 = alpha.device, torch.float32
@@ -1023,6 +1031,10 @@ def _(alpha, delta, theta, gamma):
     "-> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _coef_bwd_op(g_p, g_q, g_gamma, alpha, delta, theta):
+    return _coefficients_backward(g_p, g_q, g_gamma, alpha, delta, theta)
+
+
+def _coefficients_backward(g_p, g_q, g_gamma, alpha, delta, theta):
     """Gradients of alpha [R, N, 1], delta [R, N, 1], theta [R, 1, 1], gamma [R, N, 2], float32."""
     rows, n = alpha.shape[:2]
     dev, f32 = alpha.device, torch.float32
