@@ -78,7 +78,9 @@ def test_values_and_gradients_match_float64_oracle(shape, api):
     with nan_allocations():
         out, grads = coefficients_vjp(fn, [t.to(DEVICE, torch.float32) for t in params])
     out_ref, grads_ref = coefficients_vjp(oracle_planes, params)
-    for name, a, b in zip(["p", "q", "gamma", "dalpha", "ddelta", "dtheta", "dgamma"], out + grads, out_ref + grads_ref):
+    for name, a, b in zip(
+        ["p", "q", "gamma", "dalpha", "ddelta", "dtheta", "dgamma"], out + grads, out_ref + grads_ref
+    ):
         assert a.dtype == torch.float32 and a.shape == b.shape, (name, a.dtype, a.shape)
         assert torch.isfinite(a).all(), f"{name} has non-finite (unwritten) elements"
         err = oracles.max_rel_err(a.cpu(), b)
@@ -163,7 +165,9 @@ def test_cema_from_the_parameters_matches_float64_oracle(entry, bidirectional):
     def kernel(x, alpha, delta, theta, gamma, omega):
         m = mask.to(x.device)
         if entry == "from_parameters":
-            return fused.cema_from_parameters(x, alpha, delta, theta, gamma, omega, bidirectional, m, chunk_size=8)
+            return fused.cema_from_parameters(
+                x, alpha, delta, theta, gamma, omega, bidirectional, m, chunk_size=8
+            )
         p, q, g = fused.cema_coefficients(alpha, delta, theta, gamma)
         return fused.cema(x, p, q, g, omega, bidirectional=bidirectional, padding_mask=m, chunk_size=8)[0]
 
@@ -194,7 +198,9 @@ def test_interleaved_and_separate_planes_give_identical_results():
     contiguous = [t.contiguous() for t in (qr, qi, gr, gi)]
     outs = []
     for planes in ((qr, qi, gr, gi), contiguous):
-        y, h_re, h_im, states, _ = torch.ops.mega_suite.cema_fwd(x, p, *planes, omega, None, None, None, False, 8)
+        y, h_re, h_im, states, _ = torch.ops.mega_suite.cema_fwd(
+            x, p, *planes, omega, None, None, None, False, 8
+        )
         gy = torch.ones_like(y)
         grads = torch.ops.mega_suite.cema_bwd(gy, None, None, x, p, *planes, omega, None, states, states[:0],
                                               False, False, 8)  # fmt: skip
@@ -229,5 +235,8 @@ def test_one_cema_step_is_nine_kernels_and_no_pytorch_op():
         with counting_launches(counter), counter:
             step().backward(cot)
         kernels = {k: v for k, v in counter.ops.items() if k.startswith("triton ")}
-        assert sum(kernels.values()) == 9 and kernels["triton cema._bwd_reduce"] == 1, (step.__name__, kernels)
+        assert sum(kernels.values()) == 9 and kernels["triton cema._bwd_reduce"] == 1, (
+            step.__name__,
+            kernels,
+        )
         assert counter.total == 9, (step.__name__, counter.ops)

@@ -35,7 +35,8 @@ THRESHOLD = 1.25  # issue 29: a Megalodon block in at most 1.25x the device oper
 BATCH, LENGTH, DIM = 2, 32, 64
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches in the interpreter (CPU tensors)"
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="counts Triton launches in the interpreter (CPU tensors)",
 )
 
 # Not device work: allocation, resizing and size queries (views are recognised from their schema).

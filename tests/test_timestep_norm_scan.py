@@ -71,7 +71,9 @@ def guarded_allocations(guard: int = 64):
             assert untouched.all(), f"a kernel wrote out of bounds of a {buf.dtype} buffer of {numel}"
 
 
-def force_blocks(monkeypatch, groups_per_tile=None, scan_block=None, tiles_per_program=None, reduce_block=None):
+def force_blocks(
+    monkeypatch, groups_per_tile=None, scan_block=None, tiles_per_program=None, reduce_block=None
+):
     """Smaller blocks than the launchers would pick (None: theirs)."""
     if groups_per_tile is not None:
         config = fused._config
@@ -81,7 +83,9 @@ def force_blocks(monkeypatch, groups_per_tile=None, scan_block=None, tiles_per_p
     if scan_block is not None:
         monkeypatch.setattr(fused, "_scan_config", lambda tiles: scan_block)
     if tiles_per_program is not None:
-        monkeypatch.setattr(fused, "_tiles_per_program", lambda tiles, programs: min(tiles_per_program, tiles))
+        monkeypatch.setattr(
+            fused, "_tiles_per_program", lambda tiles, programs: min(tiles_per_program, tiles)
+        )
     if reduce_block is not None:
         monkeypatch.setattr(fused, "_reduce_block", lambda d: (reduce_block, 2))  # 2 partial rows per step
 
@@ -98,7 +102,10 @@ def make(B, L, D, G, seed, loc=2.0, state=False, padding=False):
     count = None
     if state:
         count = torch.tensor([0] + [4 + 6 * i for i in range(B - 1)], dtype=torch.int64)
-        leaves += [loc + torch.randn(B, G, generator=g, dtype=torch.float64), 0.5 + torch.rand(B, G, generator=g)]
+        leaves += [
+            loc + torch.randn(B, G, generator=g, dtype=torch.float64),
+            0.5 + torch.rand(B, G, generator=g),
+        ]
     mask = None
     if padding:
         mask = torch.rand(B, L, generator=g) < 0.3
@@ -149,7 +156,9 @@ def assert_matches(got, want, tol=TOL, where=""):
     (out, grads), (out_ref, grads_ref) = got, want
     assert out[1].dtype == torch.int64 and torch.equal(out[1].cpu(), out_ref[1]), (where, out[1], out_ref[1])
     names = ["y", "mean", "var", "dx", "dweight", "dbias", "dmean0", "dvar0"]
-    for name, a, b in zip(names, [out[0], out[2], out[3]] + grads, [out_ref[0], out_ref[2], out_ref[3]] + grads_ref):
+    for name, a, b in zip(
+        names, [out[0], out[2], out[3]] + grads, [out_ref[0], out_ref[2], out_ref[3]] + grads_ref
+    ):
         assert torch.isfinite(a).all(), f"{where}: {name} has non-finite (unwritten) elements"
         err = oracles.max_rel_err(a.cpu(), b)
         assert err <= tol, f"{where}: {name} relative error {err:.2e}"
@@ -192,7 +201,9 @@ def test_padding_only_segments_hand_the_state_through(monkeypatch):
     assert torch.equal(out[1][1:], count[1:])
     assert torch.equal(out[2][1:], leaves[3][1:].float()) and torch.equal(out[3][1:], leaves[4][1:].float())
     g = torch.Generator().manual_seed(4321)
-    _, cot_mean, cot_var = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((B, L, D), (B, G), (B, G)))
+    _, cot_mean, cot_var = (
+        torch.randn(s, generator=g, dtype=torch.float64) for s in ((B, L, D), (B, G), (B, G))
+    )
     torch.testing.assert_close(grads[3][1:].double(), cot_mean[1:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads[4][1:].double(), cot_var[1:], rtol=1e-6, atol=1e-6)
     y, (count_none, mean, var) = fused.timestep_norm(leaves[0].float(), leaves[1].float(), leaves[2].float(), G,
@@ -225,7 +236,12 @@ def test_a_count_beyond_float32_integers_stays_exact():
     count0 = torch.tensor([2**25 + 1, 3])
     mask = torch.tensor([[False, True, False, False, True], [False] * 5])
     _, (count, _, _) = fused.timestep_norm(
-        x, torch.zeros(D), torch.zeros(D), G, state=(count0, torch.zeros(B, G), torch.ones(B, G)), padding_mask=mask
+        x,
+        torch.zeros(D),
+        torch.zeros(D),
+        G,
+        state=(count0, torch.zeros(B, G), torch.ones(B, G)),
+        padding_mask=mask,
     )
     assert torch.equal(count, torch.tensor([2**25 + 4, 8]))
 
@@ -240,22 +256,28 @@ def _long_oracle(x, weight, bias, G):
 
 @pytest.mark.parametrize("drift", [0.0, 50.0])
 def test_float32_long_sequence_with_a_large_mean(drift, monkeypatch):
-    """L = 2048 in tiles of 4 steps (512 tiles, merged in blocks of 32), x ~ N(100, 1) plus a drift of the
-    mean over the sequence: the float32 kernels against float64, relative error <= 1e-5 for the outputs,
-    state and gradients. Plain float32 running sums (or a float32 mean without its low part) fail here."""
+    """L = 2048 in tiles of 8 steps (256 tiles, merged in blocks of 32), x ~ N(100, 1) plus a drift of the
+    mean over the sequence: the float32 kernels against float64, relative error <= 2e-6 for the outputs,
+    state and gradients. Plain float32 running sums, or the merged mean without its low part, fail here."""
     force_blocks(monkeypatch, scan_block=32)
     B, L, D, G = 1, 2048, 8, 2
     g = torch.Generator().manual_seed(7)
-    x = 100 + drift * torch.linspace(0, 1, L).double()[None, :, None] + torch.randn(B, L, D, generator=g).double()
+    x = (
+        100
+        + drift * torch.linspace(0, 1, L).double()[None, :, None]
+        + torch.randn(B, L, D, generator=g).double()
+    )
     weight, bias = 0.3 * torch.randn(2, D, generator=g).double()
     leaves = [x.float().double(), weight.float().double(), bias.float().double()]
-    got = run_fused(leaves, None, None, G, block_t=4)
+    got = run_fused(leaves, None, None, G, block_t=8)
     want = vjp(lambda *ls: _long_oracle(*ls, G), leaves)
     names = ["y", "mean", "var", "dx", "dweight", "dbias"]
     (out, grads), (out_ref, grads_ref) = got, want
-    for name, a, b in zip(names, [out[0], out[2], out[3]] + grads, [out_ref[0], out_ref[2], out_ref[3]] + grads_ref):
+    for name, a, b in zip(
+        names, [out[0], out[2], out[3]] + grads, [out_ref[0], out_ref[2], out_ref[3]] + grads_ref
+    ):
         err = ((a.cpu().double() - b).norm() / b.norm()).item()
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+        assert err <= 2e-6, f"{name}: relative error {err:.2e}"
 
 
 def test_float32_large_carried_state_and_mean():
@@ -296,7 +318,9 @@ def test_the_backward_reads_the_saved_statistics():
     m2 = ((xg.square().mean(-1)) * valid).cumsum(1) / n
     rstd = torch.rsqrt(m2 - m.square() + 1e-5)
     ok = ~mask
-    torch.testing.assert_close((stats[..., 0] + shift[:, None, :, 0]).cpu()[ok], m.float()[ok], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        (stats[..., 0] + shift[:, None, :, 0]).cpu()[ok], m.float()[ok], rtol=1e-6, atol=1e-5
+    )
     torch.testing.assert_close(stats[..., 1].cpu()[ok], rstd.float()[ok], rtol=1e-5, atol=1e-5)
     exact = torch.stack([(m - shift[:, None, :, 0].cpu().double()), rstd], -1).float().to(DEVICE)
     exact = torch.where(torch.isfinite(exact), exact, stats)

@@ -46,9 +46,11 @@ MODULES = (
     "kernels.gemv.triton",
 )
 # MEGA_SUITE_COMPILE_MODULES=kernels.cema.triton,... compiles only those modules (a kernel's own check)
-MODULES = tuple(os.environ.get("MEGA_SUITE_COMPILE_MODULES", "").split(",")) if os.environ.get(
-    "MEGA_SUITE_COMPILE_MODULES"
-) else MODULES
+MODULES = (
+    tuple(os.environ.get("MEGA_SUITE_COMPILE_MODULES", "").split(","))
+    if os.environ.get("MEGA_SUITE_COMPILE_MODULES")
+    else MODULES
+)
 ARCHS = (80, 90)
 # Largest shared memory one block may opt in to (CUDA programming guide, compute capabilities table).
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}

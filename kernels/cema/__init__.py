@@ -21,7 +21,9 @@ def _triton_parameters(*params: Tensor) -> bool:
     return torch.float64 not in tuple(t.dtype for t in params) and use_triton(*params)
 
 
-def cema_coefficients(alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def cema_coefficients(
+    alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Raw parameters -> (p [D, N] real, q [D, N] complex, gamma [D, N] complex); arguments as
     ``kernels.cema.reference.cema_coefficients``. For CUDA tensors one Triton kernel each way, q and gamma
     being complex views of its real outputs (no complex arithmetic); otherwise the PyTorch reference."""

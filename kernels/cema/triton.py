@@ -10,9 +10,14 @@ The sequence is cut into chunks of T steps; one program owns (chunk, block of BD
 runs the recurrence step by step with its [BD, N] state in registers, so every chunk works in parallel.
 Inputs arrive as [BD, 16] tiles (16 steps per load, the next tile loaded while the current one is used)
 rather than one [BD] row per step, so that memory latency is not paid once per step. Chunks are tied
-together by their start states (SPEC §8: h ← q^T h + h_local). The powers q^T, q^{T-1} are exp(l log q)
-taken in float64 from the float32 q on the host and rounded once: in float32 the rounding of arg q grows
-l-fold in the phase of q^l, which at |q| ≈ 0.9997 (memory of thousands of steps) costs 1e-4 relative.
+together by their start states (SPEC §8: h ← q^T h + h_local). The powers q^T, q^{T-1} are taken inside the
+state-passing kernels by repeated squaring in float64 from the float32 q and rounded once: in float32 the
+rounding of arg q would grow l-fold in the phase of q^l, which matters at |q| near 1 (memories of thousands
+of steps).
+
+q and γ are read as (re, im) planes with an element stride: 1 for separate planes, 2 for the halves of an
+interleaved [R, N, 2] tensor (``view_as_real`` of a complex one, or the coefficient kernel's output), so
+neither is copied. Their gradients come back interleaved.
 
 forward
   1. ``_fwd_local_state``   H_c = Σ_j q^{T_c-1-j} p x_j, the chunk's end state from a zero start
@@ -33,10 +38,17 @@ backward, with gy = ∂L/∂y, G_last = ∂L/∂h_last and PyTorch's convention 
                             (reverse), D at each chunk start (forward: D ← q^T D + T q^{T-1} h_start + D_loc)
   6. ``_bwd_main``          per chunk: the adjoint (dx, G_p) and then h, D (G_q, G_γ, G_ω) from the carries
 
-Parameter gradients are per-program partial sums in [B·chunks, D, N] buffers, summed afterwards by
-``torch.sum`` in a fixed order (no atomics: runs are bitwise reproducible). Bidirectional CEMA runs the
-same kernels on the reversed time axis (``REVERSE``) with the second parameter set and ω = 0, adding
-into y and dx.
+  7. ``_bwd_reduce``        the per-program partial sums [B·chunks, D, N] summed in a fixed order, with
+                            G_q = conj(γ) Σ W_D formed there (no atomics: runs are bitwise reproducible)
+
+Bidirectional CEMA runs the same kernels on the reversed time axis (``REVERSE``) with the second parameter
+set and ω = 0, adding into y and dx.
+
+coefficients (``CEMACoefficientsFunction``), from the raw parameters, float64 inside:
+  ``_coef_fwd``   p = σ(α), q = (1 - σ(α) σ(δ)) exp(i n θ_d), θ_d = σ(θ) 2π/N, n = 1..N, γ / sqrt(N)
+  ``_coef_bwd``   their gradients (see the kernel), θ's summed over n within the program
+so the training path runs no complex arithmetic: ``cema_coefficients`` returns complex64 views of the real
+outputs, and ``cema_from_parameters`` passes them to the scan without any complex tensor.
 """
 
 from __future__ import annotations
@@ -828,7 +840,10 @@ def _cema_backward(
         dx = torch.empty_like(x)
         g_h0 = None
         if has_h0:
-            h0r, h0i = torch.empty(b, d, n, device=dev, dtype=f32), torch.empty(b, d, n, device=dev, dtype=f32)
+            h0r, h0i = (
+                torch.empty(b, d, n, device=dev, dtype=f32),
+                torch.empty(b, d, n, device=dev, dtype=f32),
+            )
             g_h0 = (h0r, h0i)
         cf = _Coefs(p, q_re, q_im, g_re, g_im, omega)
         _backward(x, pad, gy, cf, states_f, g_last, False, cfg, dx, False, grads, 0, g_h0)
@@ -988,7 +1003,9 @@ def _check_parameters(alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor
     expected = {"alpha": (rows, n, 1), "delta": (rows, n, 1), "theta": (rows, 1, 1), "gamma": (rows, n, 2)}
     for name, t in zip(expected, (alpha, delta, theta, gamma)):
         if tuple(t.shape) != expected[name]:
-            raise ValueError(f"CEMA parameter {name} must be {expected[name]} (rows, N from alpha), got {tuple(t.shape)}")
+            raise ValueError(
+                f"CEMA parameter {name} must be {expected[name]} (rows, N from alpha), got {tuple(t.shape)}"
+            )
 
 
 @torch.library.custom_op(
@@ -1019,8 +1036,10 @@ def _coefficients_forward(alpha, delta, theta, gamma):
 def _(alpha, delta, theta, gamma):
     rows, n = alpha.shape[:2]
     f32 = torch.float32
-    return alpha.new_empty(rows, n, dtype=f32), alpha.new_empty(rows, n, 2, dtype=f32), alpha.new_empty(
-        rows, n, 2, dtype=f32
+    return (
+        alpha.new_empty(rows, n, dtype=f32),
+        alpha.new_empty(rows, n, 2, dtype=f32),
+        alpha.new_empty(rows, n, 2, dtype=f32),
     )
 
 

@@ -203,7 +203,12 @@ def _fwd_tile_scan(
         tl.store(sp + 5, h, mask=nxt)
         tl.store(sp + 6, l, mask=nxt)
         tl.store(sp + 7, m, mask=nxt)
-        cn, ch, cl, cm = _last_row(k, idx, SB), _last_row(h, idx, SB), _last_row(l, idx, SB), _last_row(m, idx, SB)
+        cn, ch, cl, cm = (
+            _last_row(k, idx, SB),
+            _last_row(h, idx, SB),
+            _last_row(l, idx, SB),
+            _last_row(m, idx, SB),
+        )
     keep = seen == 0  # no valid step: the incoming state passes through unchanged
     tl.store(mean_ptr + op, tl.where(keep, mean0, ch + cl))
     tl.store(var_ptr + op, tl.where(keep, var0, cm / tl.maximum(cn, 1.0)))
@@ -391,8 +396,9 @@ def _bwd_dx(
 ):  # fmt: skip
     gb, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     a, bb, xc, rstd, _, gyhat, _, valid, elem, offs, groups, g_ok, _, _ = _bwd_terms(
-        x_ptr, pad_ptr, gy_ptr, w_ptr, stats_ptr, inv_n_ptr, shift_ptr, b, c, gb, L, D, G, DG, BT, GB, BF, HAS_PAD
-    )
+        x_ptr, pad_ptr, gy_ptr, w_ptr, stats_ptr, inv_n_ptr, shift_ptr, b, c, gb, L, D, G, DG,
+        BT, GB, BF, HAS_PAD,
+    )  # fmt: skip
     cp = car_ptr + ((b.to(tl.int64) * G + groups) * NC + c) * 2
     big_a = tl.cumsum(a, axis=0, reverse=True) + tl.load(cp, mask=g_ok, other=0.0)[None, :]
     big_b = tl.cumsum(bb, axis=0, reverse=True) + tl.load(cp + 1, mask=g_ok, other=0.0)[None, :]
@@ -611,7 +617,9 @@ class TimestepNormFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         grads = [
             g.to(dtype) if n else None
-            for g, dtype, n in zip((dw, db, g_mean0, g_var0), ctx.dtypes, (need[1], need[2], need[3], need[4]))
+            for g, dtype, n in zip(
+                (dw, db, g_mean0, g_var0), ctx.dtypes, (need[1], need[2], need[3], need[4])
+            )
         ]
         return (dx, *grads, None, None, None, None, None)
 
