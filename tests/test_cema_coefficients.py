@@ -110,6 +110,14 @@ def test_the_dispatcher_runs_the_reference_on_cpu_and_in_float64():
     torch.testing.assert_close(q, oracles.cema_coefficients(*params)[1], rtol=1e-12, atol=1e-12)
 
 
+def test_cema_from_parameters_dispatches_to_the_reference_on_cpu():
+    """``kernels.cema.cema_from_parameters`` on CPU float64 tensors: the PyTorch reference, equal to the
+    float64 recurrence on the oracle's coefficients."""
+    x, params, omega, mask = _cema_case(2, 9, 4, 3, False, seed=13)
+    y = kernels.cema.cema_from_parameters(x, *params, omega, padding_mask=mask)
+    torch.testing.assert_close(y, _oracle_cema(x, *params, omega, False, mask), rtol=1e-9, atol=1e-9)
+
+
 def test_bad_parameter_shapes_are_named():
     alpha, delta, theta, gamma = (t.float().to(DEVICE) for t in parameters(4, 3, seed=2))
     with pytest.raises(ValueError, match=r"theta must be \(4, 1, 1\).*got \(4, 3, 1\)"):
