@@ -11,13 +11,31 @@ import torch
 from torch import Tensor
 
 from kernels.cema import reference
-from kernels.cema.reference import cema_coefficients, cema_kernel, cema_step
+from kernels.cema.reference import cema_kernel, cema_step
 from kernels.cema.step import cema_token_step, cema_token_step_real
 from kernels.dispatch import use_triton
 
 __all__ = [
-    "cema", "cema_coefficients", "cema_kernel", "cema_step", "cema_token_step", "cema_token_step_real",
+    "cema", "cema_coefficients", "cema_from_parameters", "cema_kernel", "cema_step", "cema_token_step",
+    "cema_token_step_real",
 ]  # fmt: skip
+
+
+def _triton_parameters(*params: Tensor) -> bool:
+    return torch.float64 not in tuple(t.dtype for t in params) and use_triton(*params)
+
+
+def cema_coefficients(
+    alpha: Tensor, delta: Tensor, theta: Tensor, gamma: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Raw parameters -> (p [D, N] real, q [D, N] complex, gamma [D, N] complex); arguments as
+    ``kernels.cema.reference.cema_coefficients``. For CUDA tensors one Triton kernel each way, q and gamma
+    being complex views of its real outputs (no complex arithmetic); otherwise the PyTorch reference."""
+    if _triton_parameters(alpha, delta, theta, gamma):
+        from kernels.cema.triton import cema_coefficients as triton_coefficients
+
+        return triton_coefficients(alpha, delta, theta, gamma)
+    return reference.cema_coefficients(alpha, delta, theta, gamma)
 
 
 def cema(
@@ -51,3 +69,32 @@ def cema(
     return reference.cema(
         x, p, q, gamma, omega, h0, bidirectional, padding_mask, method, return_state, chunk_size
     )
+
+
+def cema_from_parameters(
+    x: Tensor,
+    alpha: Tensor,
+    delta: Tensor,
+    theta: Tensor,
+    gamma: Tensor,
+    omega: Tensor,
+    bidirectional: bool = False,
+    padding_mask: Tensor | None = None,
+    method: str = "auto",
+) -> Tensor:
+    """CEMA from the raw parameters (no carried state): ``cema(x, *cema_coefficients(...), omega, ...)``.
+    For CUDA tensors (``method="auto"``) the coefficient kernel feeds the scan directly, without any complex
+    tensor; otherwise the PyTorch reference. Returns y [B, L, D]."""
+    params = (alpha, delta, theta, gamma, omega)
+    if (
+        method == "auto"
+        and x.dim() == 3
+        and x.dtype != torch.float64
+        and _triton_parameters(*params)
+        and use_triton(x, padding_mask)
+    ):
+        from kernels.cema.triton import cema_from_parameters as triton_cema
+
+        return triton_cema(x, alpha, delta, theta, gamma, omega, bidirectional, padding_mask)
+    p, q, g = reference.cema_coefficients(alpha, delta, theta, gamma)
+    return reference.cema(x, p, q, g, omega, None, bidirectional, padding_mask, method)[0]

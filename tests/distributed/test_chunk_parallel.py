@@ -438,7 +438,9 @@ def test_attaching_swaps_only_the_full_pass_of_the_causal_layers():
     with torch.no_grad():
         want, _ = model(tokens, use_cache=True)
         modules = attach(model, object())
-        assert modules and all(is_attached(m) and type(m).__name__.startswith("ChunkParallel") for m in modules)
+        assert modules and all(
+            is_attached(m) and type(m).__name__.startswith("ChunkParallel") for m in modules
+        )
         assert all(getattr(m, "float32_island", False) for m in modules)
         assert all(lc.cema is None for lc in model.new_cache(2).layers)
         got, _ = model(tokens, use_cache=True)

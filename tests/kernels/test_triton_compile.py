@@ -107,9 +107,10 @@ def _probs(b, length, h, dk, dv, chunk, causal, dtype, padding, dropout, save=Fa
     )
 
 
-def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=False):
+def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=False, interleaved=True):
     """The custom ops' implementations, called directly: the ops themselves run their fake kernels on meta
-    tensors."""
+    tensors. ``interleaved``: q and γ as the halves of [R, N, 2] tensors, as the model passes them (the
+    coefficient kernel's outputs); else contiguous planes."""
     import torch
 
     from kernels.cema import triton as fused
@@ -117,7 +118,11 @@ def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=Fals
     rows = 2 * d if bidirectional else d
     x = _meta(b, length, d, dtype=dtype)
     p, omega = _meta(rows, n), _meta(d)
-    q_re, q_im, g_re, g_im = (_meta(rows, n) for _ in range(4))
+    if interleaved:
+        q, g = _meta(rows, n, 2), _meta(rows, n, 2)
+        q_re, q_im, g_re, g_im = q[..., 0], q[..., 1], g[..., 0], g[..., 1]
+    else:
+        q_re, q_im, g_re, g_im = (_meta(rows, n) for _ in range(4))
     h0 = (_meta(b, d, n), _meta(b, d, n)) if state else (None, None)
     pad = torch.zeros(b, length, dtype=torch.int8, device="meta") if padding else None
     y, h_re, h_im, states_f, states_b = fused._cema_forward(
@@ -130,16 +135,17 @@ def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=Fals
     )  # fmt: skip
 
 
-def _norm(b, length, d, groups, dtype, padding=False):
-    """As ``_cema``: the custom ops' implementations, called directly."""
+def _norm(b, length, d, groups, dtype, padding=False, state=False):
+    """As ``_cema``: the custom ops' implementations, called directly. Without ``state`` as training calls
+    them: empty state tensors."""
     import torch
 
     from kernels.timestep_norm import triton as fused
 
     x = _meta(b, length, d, dtype=dtype)
     weight, bias = _meta(d), _meta(d)
-    count0 = torch.zeros(b, dtype=torch.int64, device="meta")
-    mean0, var0 = _meta(b, groups), _meta(b, groups)
+    count0 = torch.zeros(b if state else 0, dtype=torch.int64, device="meta")
+    mean0, var0 = (_meta(b, groups), _meta(b, groups)) if state else (_meta(0), _meta(0))
     pad = torch.zeros(b, length, dtype=torch.int8, device="meta") if padding else None
     y, mean, var, mean_f, starts, n_final, shift = fused._tsn_forward(
         x, weight, bias, mean0, var0, count0, pad, groups, 1e-5, None
@@ -148,6 +154,15 @@ def _norm(b, length, d, groups, dtype, padding=False):
         torch.ones_like(y), torch.ones_like(mean), torch.ones_like(var), x, pad, weight, count0, mean0, mean_f,
         starts, n_final, shift, groups, 1e-5, None,
     )  # fmt: skip
+
+
+def _cema_coefficients(rows, n):
+    """The coefficient kernels' implementations (custom ops ``cema_coefficients_fwd`` / ``_bwd``)."""
+    from kernels.cema import triton as fused
+
+    params = _meta(rows, n, 1), _meta(rows, n, 1), _meta(rows, 1, 1), _meta(rows, n, 2)
+    p, q, g = fused._coefficients_forward(*params)
+    fused._coefficients_backward(p, q, g, *params[:3])
 
 
 def _dropkey_mask():
@@ -212,7 +227,9 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         ("7B LM bf16 D4096 N16", lambda: _cema(1, 4096, 4096, 16, _bf16())),
         ("streaming bf16: carried state in/out", lambda: _cema(1, 4096, 1024, 16, _bf16(), state=True)),
         ("classifier fp32 bidirectional pad D80", lambda: _cema(2, 1000, 80, 16, _f32(), bidirectional=True, padding=True)),
-        ("debug preset fp32 D16 N4", lambda: _cema(2, 64, 16, 4, _f32())),
+        ("debug preset fp32 D16 N4, contiguous q, γ planes", lambda: _cema(2, 64, 16, 4, _f32(), interleaved=False)),
+        ("7B coefficients D4096 N16", lambda: _cema_coefficients(4096, 16)),
+        ("classifier coefficients 2x80 N16", lambda: _cema_coefficients(160, 16)),
     ],
     "kernels.gemv.triton": [
         # the 7B decode packs, bf16 weights: m-pack [Z+E+D, D] with bias, fc2 [D, F] with the residual added
@@ -227,6 +244,7 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
     "kernels.timestep_norm.triton": [
         ("7B LM bf16 D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16())),
         ("classifier fp32 pad D80 G16", lambda: _norm(2, 1000, 80, 16, _f32(), padding=True)),
+        ("streaming bf16: carried state D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16(), state=True)),
     ],
 }  # fmt: skip
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.cema import cema, cema_coefficients
+from kernels.cema import cema, cema_coefficients, cema_from_parameters
 from kernels.timestep_norm import group_norm, timestep_norm
 from mega_suite.models.common import float32_island, init_linear
 from mega_suite.models.megalodon.cache import NormState
@@ -97,6 +97,7 @@ class ComplexEMA(nn.Module):
     """Complex exponential moving average (docs/architecture.md#cema); bidirectional for classification (2D rows)."""
 
     no_weight_decay_params = ("alpha", "delta", "theta", "gamma", "omega")
+
     def __init__(self, dim: int, ndim: int = 16, bidirectional: bool = False, method: str = "auto"):
         super().__init__()
         self.dim, self.ndim, self.bidirectional, self.method = dim, ndim, bidirectional, method
@@ -142,10 +143,15 @@ class ComplexEMA(nn.Module):
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: [B, L, D] -> (y [B, L, D], h_last [B, D, N] complex or None)."""
+        omega = self.omega.squeeze(-1)
+        if h0 is None and not return_state and torch.is_grad_enabled():  # training: no complex tensor on CUDA
+            params = (self.alpha, self.delta, self.theta, self.gamma, omega)
+            y = cema_from_parameters(x, *params, self.bidirectional, padding_mask, self.method)
+            return y, None
         p, q, gamma = self.coefficients()
         method = "sequential" if (h0 is not None or return_state) and x.shape[1] <= 16 else self.method
         return cema(
-            x, p, q, gamma, self.omega.squeeze(-1), h0=h0, bidirectional=self.bidirectional,
+            x, p, q, gamma, omega, h0=h0, bidirectional=self.bidirectional,
             padding_mask=padding_mask, method=method, return_state=return_state,
         )  # fmt: skip
 
