@@ -3,14 +3,8 @@
 from .errors import DataError as DataError
 from .imagenet import ImageNetDataModule
 from .kjv import KJVDataModule
-from .lra import (
-    AANRetrievalDataModule,
-    CIFAR10GrayDataModule,
-    IMDBTextDataModule,
-    ListOpsDataModule,
-    PathfinderDataModule,
-    PathXDataModule,
-)
+from .lra import AANRetrievalDataModule, IMDBTextDataModule, ListOpsDataModule
+from .lra_images import CIFAR10GrayDataModule, PathfinderDataModule, PathXDataModule
 from .pg19 import PG19DataModule
 from .pretrain import PretrainDataModule
 from .speech import SpeechCommandsDataModule
