@@ -343,8 +343,7 @@ def _timestep_norm_row(dtype_name: str, work: rl.Work) -> tuple[list[str], float
         fwd = try_ms(lambda: timestep_norm(x, w, bias, z.groups))
     both = try_ms(lambda: timestep_norm(x, w, bias, z.groups)[0].backward(ct), leaves)
     frac = None if both is None else work.bytes / (both * 1e-3) / STATE.rates().copy_bytes_per_s
-    label = f"{work.name} {dtype_name}"
-    return [label, fmt(fwd), fmt(both), *STATE.floor_cells(work, both, label),
+    return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both),
             _bandwidth(work, both) + ("" if frac is None else f" ({frac:.0%} of copy)")], frac  # fmt: skip
 
 
@@ -366,8 +365,7 @@ def _cema_row(work: rl.Work) -> tuple[list[str], float | None]:
     c = STATE.rates()
     unit = None if both is None else work.simt_flops / (both * 1e-3) / c.fp32_flops_per_s
     achieved = "-" if both is None else f"{unit:.0%} of float32 rate, " + _bandwidth(work, both)
-    label = f"{work.name} float32"
-    return [label, fmt(fwd), fmt(both), *STATE.floor_cells(work, both, label), achieved], both
+    return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both), achieved], both
 
 
 def _qk_row(work: rl.Work) -> list[str]:
@@ -387,13 +385,7 @@ def _qk_row(work: rl.Work) -> list[str]:
     with torch.no_grad():
         fwd = try_ms(run)
     both = try_ms(lambda: torch.autograd.backward(run(), cts), (q_in, gamma, beta))
-    return [
-        f"{work.name} {z.low_dtype}",
-        fmt(fwd),
-        fmt(both),
-        *STATE.floor_cells(work, both),
-        _bandwidth(work, both),
-    ]
+    return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both), _bandwidth(work, both)]
 
 
 def _gemv_row(work: rl.Work, rows: int, cols: int) -> list[str]:
@@ -403,8 +395,7 @@ def _gemv_row(work: rl.Work, rows: int, cols: int) -> list[str]:
     w, x, bias = _randn(rows, cols, g=g).to(_low()), _randn(cols, g=g), _randn(rows, g=g)
     with fixed_gemv_tiles():
         fwd = try_ms(lambda: row_gemv(w, x, bias))
-    return [work.name + f" {STATE.sizes.low_dtype} weights", fmt(fwd), "-", *STATE.floor_cells(work, fwd),
-            _bandwidth(work, fwd)]  # fmt: skip
+    return [work.name, fmt(fwd), "-", *STATE.floor_cells(work, fwd), _bandwidth(work, fwd)]
 
 
 @contextlib.contextmanager

@@ -97,6 +97,7 @@ def combine(name: str, parts: list[Work]) -> Work:
 # ------------------------------------------------------------------------------------------------ kernels
 
 BF16, F32 = 2, 4
+_DTYPE = {2: "bf16", 4: "fp32"}  # names by element size: the benchmark's 16-bit dtype is bf16
 
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
@@ -145,7 +146,7 @@ def timestep_norm(batch: int, length: int, dim: int, groups: int, itemsize: int 
     """
     n = batch * length * dim
     return Work(
-        f"TimestepNorm B{batch} L{length} D{dim} G{groups}",
+        f"TimestepNorm B{batch} L{length} D{dim} G{groups} {_DTYPE.get(itemsize, itemsize)}",
         simt_flops=20 * n,
         bytes=5 * n * itemsize + 6 * dim * F32,
     )
@@ -166,7 +167,8 @@ def cema(batch: int, length: int, dim: int, ndim: int, itemsize: int = BF16) -> 
     """
     n = batch * length * dim
     per_element = (CEMA_FWD_FLOPS_PER_MODE + CEMA_BWD_FLOPS_PER_MODE) * ndim + 6
-    return Work(f"CEMA B{batch} L{length} D{dim} N{ndim}", simt_flops=per_element * n, bytes=5 * n * itemsize)
+    name = f"CEMA B{batch} L{length} D{dim} N{ndim} {_DTYPE.get(itemsize, itemsize)}"
+    return Work(name, simt_flops=per_element * n, bytes=5 * n * itemsize)
 
 
 def qk_norm_rope(batch: int, length: int, heads: int, head_dim: int, itemsize: int = BF16) -> Work:
@@ -180,7 +182,7 @@ def qk_norm_rope(batch: int, length: int, heads: int, head_dim: int, itemsize: i
     z = heads * head_dim
     n = batch * length * z
     return Work(
-        f"Q/K norm + RoPE B{batch} L{length} h{heads} zd{head_dim}",
+        f"Q/K norm + RoPE B{batch} L{length} h{heads} zd{head_dim} {_DTYPE.get(itemsize, itemsize)}",
         simt_flops=42 * n,
         bytes=7 * n * itemsize + 10 * z * F32,
     )
@@ -189,7 +191,7 @@ def qk_norm_rope(batch: int, length: int, heads: int, head_dim: int, itemsize: i
 def gemv(rows: int, cols: int, itemsize: int = BF16) -> Work:
     """One-row GEMV y = W x + b (decoding; forward only): W [O, I] read once, x [I] float32, y [O] float32."""
     return Work(
-        f"GEMV O{rows} I{cols} (forward)",
+        f"GEMV O{rows} I{cols} {_DTYPE.get(itemsize, itemsize)} weights (forward)",
         simt_flops=2 * rows * cols,
         bytes=rows * cols * itemsize + cols * F32 + 2 * rows * F32,
     )
@@ -286,7 +288,10 @@ def kernel_works() -> dict[str, Work]:
     m = MEGALODON_7B
     return {
         "timestep_norm": timestep_norm(1, 32768, m["dim"], m["groups"]),
-        "cema": cema(1, 32768, m["dim"], m["ndim"]),
+        "timestep_norm_f32": timestep_norm(
+            1, 32768, m["dim"], m["groups"], itemsize=F32
+        ),  # the block's dtype
+        "cema": cema(1, 32768, m["dim"], m["ndim"], itemsize=F32),  # a float32 island in the model
         "attention_dv256": attention(1, m["heads"], 4096, 4096, 256, 256),
         "attention_dv2048": attention(1, m["heads"], 4096, 4096, 256, m["value_dim"] // m["heads"]),
         "qk_norm_rope": qk_norm_rope(1, 32768, m["heads"], m["z_dim"] // m["heads"]),

@@ -47,7 +47,11 @@ def test_roofline_only_prints_the_spec_sheet_table_without_torch():
     out = proc.stdout
     assert out.strip().endswith("False")
     assert out.startswith("Ceilings: H100 SXM5 spec sheet (not measured)")
-    for name in ("TimestepNorm B1 L32768 D4096 G64", "CEMA B1 L32768 D4096 N16", "Megalodon block B1 L32768"):
+    for name in (
+        "TimestepNorm B1 L32768 D4096 G64 bf16",
+        "CEMA B1 L32768 D4096 N16 fp32",
+        "Megalodon block B1 L32768",
+    ):
         assert f"| {name} |" in out
 
 
