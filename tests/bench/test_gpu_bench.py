@@ -83,6 +83,7 @@ def test_the_stages_fit_five_minutes():
         "block_eager",
         "block_compiled",
         "block_reduce_overhead",
+        "block_compiled_long",
     ]
     for name, budget, fn in gpu_bench.STAGES:
         assert fn is getattr(gpu_bench, f"stage_{name}") and budget > 0
