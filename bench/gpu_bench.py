@@ -60,7 +60,15 @@ if __package__ in (None, ""):  # run as `python bench/gpu_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import roofline as rl
-from bench.gpu_check import Outcome, Report, StageResult, has_nvidia_driver, markdown_table, run_stages
+from bench.gpu_check import (
+    Outcome,
+    Report,
+    StageResult,
+    StageTimeout,
+    has_nvidia_driver,
+    markdown_table,
+    run_stages,
+)
 
 START = time.monotonic()  # the deadline counts from the process's start (imports included)
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,11 +249,25 @@ def median_ms(fn: Callable[[], object], grad_to_none=(), rep_ms: float = 100.0, 
     return statistics.median(timer.ms() for timer in timers)
 
 
+def _stage_timeout(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or wraps (Inductor re-raises what interrupts a compile), the stage's deadline."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, StageTimeout):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def try_ms(fn, grad_to_none=(), **kw) -> float | None:
-    """``median_ms``, or None (printed) when the call fails: out of memory, an unsupported shape."""
+    """``median_ms``, or None (printed) when the call fails: out of memory, an unsupported shape. The stage's
+    deadline is not a failure of the call: it ends the stage."""
     try:
         return median_ms(fn, grad_to_none, **kw)
     except Exception as e:  # noqa: BLE001 -- reported as "-" in the table, the next row still runs
+        if _stage_timeout(e):
+            raise StageTimeout(str(e)) from e
         print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
         _empty_cache()
         return None

@@ -195,6 +195,27 @@ def test_the_benchmark_imports_nothing_the_gpu_machine_lacks():
     assert proc.stdout.strip() == "Megalodon block B1 L64"
 
 
+def test_the_stage_deadline_ends_the_stage_even_inside_a_timed_call(state):
+    """A failing call is a "-" row and the stage goes on; the stage's deadline (SIGALRM's StageTimeout, also
+    wrapped as Inductor wraps what interrupts a compile) must end the stage, not become a row."""
+    from bench.gpu_check import StageTimeout
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    assert gpu_bench.try_ms(fails) is None
+
+    def interrupted_compile():
+        try:
+            raise StageTimeout("stage stopped after its budget")
+        except StageTimeout as e:
+            raise RuntimeError("InductorError: StageTimeout") from e
+
+    for fn in (interrupted_compile, lambda: (_ for _ in ()).throw(StageTimeout("budget"))):
+        with pytest.raises(StageTimeout):
+            gpu_bench.try_ms(fn)
+
+
 def test_block_step_rejects_unknown_modes_and_kinds():
     with pytest.raises(ValueError, match="block mode must be one of"):
         gpu_bench.block_step("megalodon", 64, "turbo")
