@@ -803,9 +803,9 @@ def warm_child(group: str) -> int:
 
 def stage_warm() -> Outcome:
     """Triton compiles the benchmark's kernels in parallel child processes, one per group, into its on-disk
-    cache, before anything is timed: Triton compiles serially in the process that launches, so one process
-    would spend about a minute compiling; the timed stages then find every kernel cached. Failing children cost
-    only their time: the stages compile whatever is missing themselves."""
+    cache, before anything is timed: Triton compiles serially in the process that launches (what that costs:
+    bench/reports/2026-11-27-gpu-bench-roofline.md); the timed stages then find every kernel cached. Failing
+    children cost only their time: the stages compile whatever is missing themselves."""
     import shutil
 
     procs, logs = {}, {}
