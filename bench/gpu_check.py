@@ -1,15 +1,16 @@
-"""``make gpu-check``: one command that proves the GPU path on one H100 in one 10-minute call.
+"""``make gpu-check``: one command that proves the GPU path correct on one H100 in one 10-minute call.
 
-    python -m bench.gpu_check                 # every stage; writes bench/GPU_RESULTS.md
-    python -m bench.gpu_check --stages model_step,kernels --out /tmp/r.md
+    python -m bench.gpu_check                 # every stage; writes bench/GPU_CHECK.md
+    python -m bench.gpu_check --stages model_step --out /tmp/r.md
     python -m bench.gpu_check --serial        # listops after the others rather than beside them
 
-Each stage's result (pass / fail, numbers) is written to the Markdown report as soon as it ends, so a crash
-or a timeout still leaves a partial report; each stage is stopped at its budget (+15 s) and fails alone.
-By default the listops run trains in a child process beside the untimed stages (1-2), and the timed stages
-(3-4) run alone after it. Budgets are for one H100 (80 GB):
+Speed against the roofline and the targets is ``make gpu-bench`` (bench/gpu_bench.py, bench/GPU_RESULTS.md);
+this command checks correctness. Each stage's result (pass / fail, numbers) is written to the Markdown report
+as soon as it ends, so a crash or a timeout still leaves a partial report; each stage is stopped at its budget
+(+15 s) and fails alone. By default the listops run trains in a child process beside the other stages.
+Budgets are for one H100 (80 GB):
 
-1. ``cuda_tests``  (3.5 min)  the kernel tests natively on CUDA: tests/kernels/test_triton_*.py (bf16, L = 32K and
+1. ``cuda_tests``  (4.8 min)  the kernel tests natively on CUDA: tests/kernels/test_triton_*.py (bf16, L = 32K and
    the GPU-only cases that skip on CPU; fixed tiles except the tests marked ``autotune``) with pytest-xdist
    workers where installed, and anything marked ``gpu``; no test may skip for want of CUDA.
 2. ``model_step``  (2 min)  one full training step (forward loss, every parameter gradient) of a small
@@ -18,15 +19,10 @@ By default the listops run trains in a child process beside the untimed stages (
    tiles) against the PyTorch references (``kernels.dispatch.force_reference``). Rule (mamba's): for the
    loss and every gradient, ``err(triton) <= 2 err(reference) + atol``, each err = max|. - float64| /
    max|float64| against a float64 run of the same model.
-3. ``kernels``     (3 min)  the targets of bench/kernels.py at the 7B shapes: TimestepNorm fwd+bwd >= 60%
-   of the copy bandwidth, CEMA fwd+bwd >= 3x the FFT reference, attention fwd+bwd within 1.2x of SDPA
-   flash at dk 256 with dv 256 and dv 2048.
-4. ``block``       (1.7 min)  one block at the 7B widths (bench/block.py's builders), Megalodon vs Llama-2,
-   bf16-mixed fwd+bwd at L = 4K and 32K (paper, A100: 6% slower at 4K, 32% faster at 32K). Pass:
-   Megalodon / Llama <= 1.3 at 4K and < 1 at 32K.
-5. ``listops``     (5.5 min)  ``run.py recipe=lra_listops`` for 500 bf16-mixed steps on the GPU (data
+3. ``listops``     (5.5 min)  ``run.py recipe=lra_listops`` for 500 bf16-mixed steps on the GPU (data
    generated when absent, about 1.3 min), a short validation; loss-vs-step table and gpu_listops_loss.png
    beside the report. Pass: finishes, finite losses, mean loss of the last 50 steps below the first 50's.
+   It needs omegaconf and soundfile, which the lent machine's python3 lacks (carry them as wheels).
 
 The command exits 1 if any stage fails, and exits 2 at once, before importing torch, without an NVIDIA
 driver (and after importing it, without a CUDA device).
@@ -51,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "bench" / "GPU_RESULTS.md"
+DEFAULT_OUT = ROOT / "bench" / "GPU_CHECK.md"
 REPORT_DIR = DEFAULT_OUT.parent  # the loss curve goes beside the report (main sets it from --out)
 NO_CUDA = (
     "bench.gpu_check needs a CUDA GPU (an NVIDIA driver and torch.cuda.is_available()); none found here."
@@ -401,100 +397,6 @@ def stage_model_step() -> Outcome:
     return Outcome(ok, body + markdown_table(headers, rows))
 
 
-# kernels ----------------------------------------------------------------------------------------------------
-
-
-def stage_kernels() -> Outcome:
-    """bench/kernels.py's targets at the 7B shapes."""
-    from bench import kernels as bk
-
-    parts, ok, numbers = [], True, {}
-    for name, fn, headers, what in (
-        ("TimestepNorm", bk.timestep_norm_target, bk.BANDWIDTH_HEADERS, f">= {bk.TARGET_TIMESTEP_NORM:.0%} of copy"),
-        ("CEMA", bk.cema_target, bk.BANDWIDTH_HEADERS, f">= {bk.TARGET_CEMA:g}x the FFT reference"),
-        ("attention", bk.attention_target, ["shape", "triton fwd+bwd ms", "SDPA flash fwd+bwd ms", "ratio"],
-         f"<= {bk.TARGET_ATTENTION:g}x SDPA flash"),
-    ):  # fmt: skip
-        value, passed, rows = fn()
-        ok &= passed
-        numbers[name] = value
-        shown = "-" if value is None else (f"{value:.0%}" if name == "TimestepNorm" else f"{value:.2f}x")
-        parts.append(
-            f"### {name}: {shown}, target {what}: {'PASS' if passed else 'FAIL'}\n\n{markdown_table(headers, rows)}\n"
-        )
-    return Outcome(ok, "\n".join(parts), numbers)
-
-
-# block ------------------------------------------------------------------------------------------------------
-
-BLOCK_LENGTHS = (4096, 32768)
-
-
-def block_step(kind: str, length: int, compile: bool | str = False):
-    """One 7B-width block's forward + backward at batch 1, bf16-mixed, as a function that also drops the
-    gradients (``compile``: torch.compile'd, Inductor, as ``trainer.compile=true`` compiles each block; a
-    string is ``trainer.compile_mode``, e.g. "reduce-overhead": CUDA graphs, a new step marked per call)."""
-    import torch
-
-    from bench import block as bb
-
-    torch.manual_seed(0)
-    block = bb.build_block(kind, 4096, 32, preset="megalodon_7b", llama=bb.LLAMA_7B).cuda()
-    mode = compile if isinstance(compile, str) and compile != "default" else None
-    run = torch.compile(block, mode=mode) if compile else block
-    x = torch.randn(1, length, 4096, device="cuda", requires_grad=True)
-    ct = torch.randn(1, length, 4096, device="cuda")
-
-    from mega_suite.config import CUDAGRAPH_MODES
-
-    def step():
-        if mode in CUDAGRAPH_MODES:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast("cuda", torch.bfloat16):
-            out = run(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(ct)
-        x.grad = None
-        for p in block.parameters():
-            p.grad = None
-
-    return step
-
-
-def _block_ms(kind: str, length: int, compile: bool | str = False) -> float:
-    """Median fwd+bwd time (ms) of :func:`block_step`."""
-    import triton.testing
-
-    return triton.testing.do_bench(block_step(kind, length, compile), return_mode="median")
-
-
-def stage_block() -> Outcome:
-    """Eager M / L decides the stage; the compiled ratios (``trainer.compile=true``'s per-block Inductor
-    compile) are reported beside them: the lease of 2026-11-24 measured the compiled Megalodon block slower
-    than eager at 4K while its CEMA and TimestepNorm kernels still broke the graph."""
-    import torch
-
-    rows, ratio = [], {}
-    for length in BLOCK_LENGTHS:
-        t = {(k, c): _block_ms(k, length, compile=c) for c in (False, True) for k in ("megalodon", "llama")}
-        torch.cuda.empty_cache()
-        ratio[length] = t["megalodon", False] / t["llama", False]
-        compiled = t["megalodon", True] / t["llama", True]
-        rows.append([f"{length // 1024}K", *(f"{t[key]:.1f}" for key in t), f"{ratio[length]:.2f}",
-                     f"{compiled:.2f}"])  # fmt: skip
-        print(" | ".join(rows[-1]), flush=True)
-    ok = ratio[4096] <= 1.3 and ratio[32768] < 1.0
-    body = (
-        "One block at the 7B widths (Megalodon `megalodon_7b`: D 4096, Z 1024, E 8192, C 4096; Llama-2-7B: "
-        "D 4096, 32 heads, FFN 11008, SDPA causal), batch 1, bf16-mixed, forward + backward, eager and "
-        "torch.compile'd (Inductor). Paper (whole 7B models, A100): Megalodon 6% slower at 4K (1.06), 32% "
-        "faster at 32K. Pass (eager): M/L <= 1.3 at 4K, < 1 at 32K.\n\n"
-    )
-    headers = ["L", "Megalodon ms", "Llama ms", "Megalodon compiled ms", "Llama compiled ms", "M / L",
-               "M / L compiled"]  # fmt: skip
-    return Outcome(ok, body + markdown_table(headers, rows), ratio)
-
-
 # listops ----------------------------------------------------------------------------------------------------
 
 LISTOPS_STEPS = 500
@@ -557,22 +459,17 @@ def stage_listops(out_dir: Path | None = None) -> Outcome:
 STAGES: list[tuple[str, float, Callable[[], Outcome]]] = [
     ("cuda_tests", 290, stage_cuda_tests),
     ("model_step", 120, stage_model_step),
-    ("kernels", 180, stage_kernels),
-    ("block", 200, stage_block),  # four Inductor compiles
     ("listops", 330, stage_listops),
-]  # budgets (s) on one H100, enforced (+15 s): 18.7 min in all; measured 402 s with listops beside stages 1-2
-# (2026-11-24, before the block stage compiled its blocks: about 100 s more)
+]  # budgets (s) on one H100, enforced (+15 s); measured 402 s with listops beside stages 1-2 (2026-11-24)
 
 
 # ------------------------------------------------------------------------------------------------ main
 
-TIMED_STAGES = ("kernels", "block")  # their numbers are speeds: they run alone on the GPU
-
 
 def run_parallel(chosen, report: Report, out: Path) -> list[StageResult]:
     """The listops run (a training job: its pass rule is learning, not speed) in a child process beside the
-    untimed stages (tests, the model step), then the timed stages alone: the whole check fits one
-    10-minute call on a lent machine. The child's report section is copied into this report."""
+    other stages (tests, the model step): the whole check fits one 10-minute call on a lent machine. The
+    child's report section is copied into this report."""
     child_out = out.with_name(out.stem + ".listops.md")
     budget = next(b for n, b, _ in chosen if n == "listops")
     cmd = [_python(), "-m", "bench.gpu_check", "--stages", "listops", "--out", str(child_out)]
@@ -580,9 +477,7 @@ def run_parallel(chosen, report: Report, out: Path) -> list[StageResult]:
     child = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     start = time.perf_counter()
     try:
-        results = run_stages(
-            [s for s in chosen if s[0] not in ("listops", *TIMED_STAGES)], report, summary=False
-        )
+        results = run_stages([s for s in chosen if s[0] != "listops"], report, summary=False)
         child.wait(timeout=max(1.0, budget + 2 * STAGE_GRACE_S - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
         pass
@@ -601,7 +496,8 @@ def run_parallel(chosen, report: Report, out: Path) -> list[StageResult]:
     report.add(result)
     results.append(result)
     print(f"=== listops: {'PASS' if result.ok else 'FAIL'} in {result.seconds:.0f} s", flush=True)
-    return run_stages([s for s in chosen if s[0] in TIMED_STAGES], report, results)
+    write_summary(report, results)
+    return results
 
 
 def _header() -> str:

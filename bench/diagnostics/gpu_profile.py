@@ -5,7 +5,7 @@
     python -m bench.diagnostics.gpu_profile --walls 4096,32768    # wall ms, eager and torch.compile'd, no profile
     python -m bench.diagnostics.gpu_profile --walls 4096 --modes eager,default,reduce-overhead   # + CUDA graphs
 
-The blocks are gpu_check's ``block`` stage's (bench/block.py ``build_block`` at the 7B widths). After three
+The blocks are gpu_bench's block stages' (bench/block.py ``build_block`` at the 7B widths). After three
 warm-up steps (Triton autotune, cuBLAS heuristics), one step is profiled; the table lists the device kernels
 by total device time, with the share of the step each takes, so the gap between the two blocks can be
 attributed to kernels rather than guessed.
@@ -44,10 +44,12 @@ def kernel_rows(prof, top: int) -> tuple[list[list], float, int]:
 def profile_block(kind: str, length: int, top: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_check import block_step
+    from bench.gpu_bench import block_step
 
-    step = block_step(kind, length)
+    step, grads = block_step(kind, length)
     for _ in range(3):
+        for t in grads:
+            t.grad = None
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -59,18 +61,17 @@ def profile_block(kind: str, length: int, top: int) -> str:
 
 
 def walls(lengths: list[int], out: Path | None, modes: tuple[str, ...] = ("eager", "default")) -> int:
-    """Median fwd+bwd wall ms of each block, eager and compiled (gpu_check's ``_block_ms``; a mode other than
+    """Median fwd+bwd wall ms of each block, eager and compiled (gpu_bench's ``block_step``; a mode other than
     "eager" is torch.compile's, e.g. "reduce-overhead": CUDA graphs), and M / L."""
     import time
 
-    from bench.gpu_check import _block_ms
+    from bench.gpu_bench import block_step, median_ms
 
     rows = []
     for mode in modes:
-        compiled = False if mode == "eager" else mode
         for length in lengths:
             t0 = time.perf_counter()
-            t = {kind: _block_ms(kind, length, compile=compiled) for kind in ("megalodon", "llama")}
+            t = {kind: median_ms(*block_step(kind, length, mode)) for kind in ("megalodon", "llama")}
             torch.cuda.empty_cache()
             label = (
                 "eager" if mode == "eager" else "torch.compile" + ("" if mode == "default" else f" {mode}")
