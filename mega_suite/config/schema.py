@@ -92,7 +92,7 @@ class TrainerSection:
     compile_mode: str = "default"
     # torch.set_float32_matmul_precision for the run: highest (full float32, the default) | high (TF32 on
     # CUDA) | medium. The logits head is computed in float32 (docs/architecture.md#float32-islands) also under
-    # bf16-mixed; TF32 makes it a small share of a 7B step on a GPU (bench/GPU_RESULTS.md); under 32-true every
+    # bf16-mixed; TF32 makes it a small share of a 7B step on a GPU (bench/reports/2026-11-24-gpu-results-leases.md); under 32-true every
     # matmul is affected.
     float32_matmul_precision: str = "highest"
     deterministic: bool = False

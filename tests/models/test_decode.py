@@ -595,7 +595,7 @@ def test_only_the_compiled_cpu_decoder_reads_rows_packs_and_the_cpu_options(monk
 
 def test_a_compiled_cuda_decoder_defaults_to_the_fastest_gemv_and_options_measured_there():
     """Compiled on CUDA, a decoder not told otherwise uses the one-row GEMV and Inductor options that were
-    fastest on the H100 (bench/GPU_RESULTS.md: "triton" with ``realize_opcount_threshold`` 1, 7.44 ms per 7B
+    fastest on the H100 (bench/reports/2026-11-24-gpu-results-leases.md: "triton" with ``realize_opcount_threshold`` 1, 7.44 ms per 7B
     token against "mv" with Inductor's defaults, the earlier default, 8.75 ms); what it is told wins. (Its
     wiring into ``StaticDecoder`` is the CPU case of the test above: no compiled decoder is tested on a GPU.)"""
     assert decode.compiled_step_defaults("cuda", None, None) == ("triton", {"realize_opcount_threshold": 1})

@@ -40,7 +40,7 @@ CPU_KV_BUCKET_ROWS = 64  # the compiled CPU step's attended lengths with bf16 ke
 # inside every reduction that reads it (the head's GEMV recomputed the final norm per output row otherwise).
 CPU_COMPILE_OPTIONS = {"realize_opcount_threshold": 1}
 # The compiled CUDA step's defaults: the fastest one-row GEMV and options measured on an H100
-# (bench/GPU_RESULTS.md, decode at 7B).
+# (bench/reports/2026-11-24-gpu-results-leases.md, decode at 7B).
 CUDA_COMPILED_ROW_GEMV = "triton"
 CUDA_COMPILE_OPTIONS = {"realize_opcount_threshold": 1}
 
