@@ -178,8 +178,7 @@ def test_cuda_graph_mode_refuses_the_accumulation_a_global_batch_sets():
 
 
 def test_float32_matmul_precision_is_checked_and_set_by_every_run(tmp_path):
-    """``trainer.float32_matmul_precision`` (TF32 for the float32 logits head on a GPU: 64.7 -> 11.3 ms per
-    7B step's head on an H100) is checked at load, and every trainer built sets it, also back to the
+    """``trainer.float32_matmul_precision`` (TF32 for the float32 logits head on a GPU) is checked at load, and every trainer built sets it, also back to the
     default, so that one run's choice does not leak into the next run of the same process."""
     import torch
 

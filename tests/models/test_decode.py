@@ -160,7 +160,7 @@ def test_bf16_kv_decode_is_close_and_never_a_bf16_matmul(monkeypatch):
     """``Decoder(model, kv_dtype=torch.bfloat16)``: the chunk's keys and values are kept in bf16 (the prompt's
     float32 cache converted at the first step, new chunks started in bf16), the logits within bf16's rounding
     of the float64 pass, and the attention over them never a bf16 matmul (on this CPU oneDNN builds a kernel
-    for every new attended length: 0.5 ms per product). A prompt run under autocast (bf16 keys) decoded
+    for every new attended length). A prompt run under autocast (bf16 keys) decoded
     with the default options takes the same float32 products; ``kv_dtype=torch.float32`` converts it."""
     model = make_lm(chunk_size=8)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(12))
@@ -595,8 +595,7 @@ def test_only_the_compiled_cpu_decoder_reads_rows_packs_and_the_cpu_options(monk
 
 def test_a_compiled_cuda_decoder_defaults_to_the_fastest_gemv_and_options_measured_there():
     """Compiled on CUDA, a decoder not told otherwise uses the one-row GEMV and Inductor options that were
-    fastest on the H100 (bench/reports/2026-11-24-gpu-results-leases.md: "triton" with ``realize_opcount_threshold`` 1, 7.44 ms per 7B
-    token against "mv" with Inductor's defaults, the earlier default, 8.75 ms); what it is told wins. (Its
+    fastest on the H100 (bench/reports/2026-11-24-gpu-results-leases.md); what it is told wins. (Its
     wiring into ``StaticDecoder`` is the CPU case of the test above: no compiled decoder is tested on a GPU.)"""
     assert decode.compiled_step_defaults("cuda", None, None) == ("triton", {"realize_opcount_threshold": 1})
     assert decode.compiled_step_defaults("cuda", "mv", {}) == ("mv", {})
