@@ -117,7 +117,7 @@ class _BlockedCausal(torch.autograd.Function):
     storing the probabilities.
 
     Query block i attends only to keys up to its own end, so the scores computed are (blocks + 1) / (2 blocks)
-    of C x C (5/8 for 4 blocks) instead of all of them; measured -35% attention time at C = 2048. Forward
+    of C x C (5/8 for 4 blocks) instead of all of them (bench/reports/2026-11-24-cpu-causal-attention.md). Forward
     keeps Q, K, V, the output O and the row log-sum-exp; backward recomputes P = exp(Q Kᵀ - lse) block by
     block (the cheap dk-wide product) and applies dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)),
     dQ = dS K, dK = dSᵀ Q. bf16 / fp16 inputs are computed in float32, as SDPA's CPU math path does.
@@ -178,8 +178,7 @@ def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
 
     SDPA's flash kernels need equal head widths; otherwise it falls back to the math path, which stores the
     [B, h, C, C] probabilities. Padding with zeros is exact but costs extra Q.K^T FLOPs, so it pays when the
-    widths are close or when the probabilities would be large (measured on CPU: 64/160 at C=2000 is 1.3x
-    faster padded; 128/1024 at C=2048, batch 1, is 1.2x faster unpadded).
+    widths are close or when the probabilities would be large (both measured on the CPU: bench/reports/2026-11-24-cpu-causal-attention.md).
     """
     if dk == dv:
         return False
@@ -190,13 +189,11 @@ def _flash_friendly(b: int, c: int, h: int, dk: int, dv: int) -> bool:
 def _prefer_blocked(n: int, c: int, dk: int, dv: int, dtype: torch.dtype) -> bool:
     """Causal, no padding, no dropout, dk != dv, ``n`` chunks x heads of C tokens: ``_BlockedCausal``
     (dk-wide scores, 5/8 of C x C, in float32) rather than Q and K padded to dv for SDPA's flash kernel?
-    Measured on CPU (``python -m bench.diagnostics.attention_cpu``, 2 threads, forward + backward, batch 1 and 4 of
-    2048 tokens; bench/reports/2026-11-24-cpu-causal-attention.md): in float32 blocked takes 0.44-0.96x the time wherever dv >= 256
-    or C <= 1024 (one cell 1.04), and 1.1-1.6x at C = 2048 with dv <= 128 at batch 4 (0.84-0.99x at batch
-    1), where the elementwise passes over the materialised probabilities cost more than flash's wider
-    products; with bf16 inputs (flash computes in bf16, blocked in float32) 0.6-0.9x for C <= 512 or
-    dv >= 512, up to 1.5x elsewhere. Shapes this rule leaves to flash that ``_flash_friendly`` does not pad
-    (dv / dk > 4 and probabilities under 512 MB) still run blocked, as before.
+    The rule below follows the grid ``python -m bench.diagnostics.attention_cpu`` measured on the CPU
+    (bench/reports/2026-11-24-cpu-causal-attention.md): blocked wins wherever dv >= 256 or C <= 1024, flash with padded Q and K
+    at C = 2048 with dv <= 128, where the elementwise passes over the materialised probabilities cost more
+    than flash's wider products. Shapes this rule leaves to flash that ``_flash_friendly`` does not pad
+    (dv / dk > 4 and probabilities under 512 MB) still run blocked.
     Padded flash also when the full probabilities would exceed 512 MB (blocked materialises a quarter of
     them at a time, twice that in backward), a size not measured here."""
     if c < 256 or dk == dv or n * c * c * 4 > (512 << 20):

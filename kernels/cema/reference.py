@@ -67,13 +67,13 @@ def _steps(count: int, device) -> Tensor:
 
 def _powers(log_q: Tensor, steps: Tensor, like: Tensor) -> Tensor:
     """exp(log_q * steps) in float64 (magnitude and phase as real tensors: complex exp is not vectorised on
-    CPU, 10x slower), returned in the complex dtype of ``like``: |q|^s (cos sθ + i sin sθ), written out
-    because ``torch.polar`` is 3x slower than the two vectorised products on CPU (1.8 vs 0.6 ms at
-    [512, 23, 16], 1 thread; a 512-token prompt of megalodon_cpu_bench 286 vs 292 ms, in one process)."""
+    the CPU), returned in the complex dtype of ``like``: |q|^s (cos sθ + i sin sθ), written out because
+    ``torch.polar`` is slower than the two vectorised products on the CPU
+    (bench/reports/2026-11-24-cema-power-tables.md)."""
     steps = steps.to(torch.float64)
     rdt = torch.float64 if like.dtype == torch.complex128 else torch.float32
     # reduced mod 2π in float64 (then exact enough in float32) as x - 2π floor(x / 2π): the same to 1e-12
-    # rad for the phases here, and 2-3x faster than torch.remainder on CPU
+    # rad for the phases here, and faster than torch.remainder on the CPU
     angle = log_q.imag * steps
     phase = (angle - (2 * math.pi) * torch.floor(angle * (0.5 / math.pi))).to(rdt)
     magnitude = torch.exp(log_q.real * steps).to(rdt)
@@ -114,8 +114,8 @@ def cema_kernel(p: Tensor, q: Tensor, gamma: Tensor, length: int) -> Tensor:
 def _complex_bmm(x: Tensor, w: Tensor) -> Tensor:
     """Real [G, M, K] @ complex [G, K, N] -> complex [G, M, N] as one real bmm against [Re w, Im w].
 
-    ``w.real`` / ``w.imag`` are stride-2 views; bmm on them takes a slow non-contiguous path (14x slower
-    on CPU at [512, 23, 16]), so the two halves are packed contiguously first."""
+    ``w.real`` / ``w.imag`` are stride-2 views; bmm on them takes a much slower non-contiguous path on the
+    CPU, so the two halves are packed contiguously first."""
     n = w.shape[-1]
     out = torch.bmm(x, torch.cat([w.real, w.imag], dim=-1))
     return torch.complex(out[..., :n], out[..., n:])
