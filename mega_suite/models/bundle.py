@@ -106,6 +106,7 @@ def save_bundle(
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: tensors[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+        os.chmod(out / filename, 0o644)  # safetensors writes 0600; a bundle is meant to be shared
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / INDEX).write_text(json.dumps(index, indent=2))

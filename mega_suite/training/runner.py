@@ -26,6 +26,7 @@ from mega_suite.evaluation.context import (
     write_report,
 )
 from mega_suite.models import arch_of
+from mega_suite.models.bundle import is_bundle
 from mega_suite.training.callbacks import (
     GracefulStop,
     LogLines,
@@ -339,9 +340,9 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
 
-    if not Path(path).is_file() and not is_sharded_checkpoint(path):
+    if not Path(path).is_file() and not is_sharded_checkpoint(path) and not is_bundle(path):
         raise FileNotFoundError(
-            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory)"
+            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory or bundle)"
         )
     if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
         module.weights_from = str(path)
