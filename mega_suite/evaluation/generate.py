@@ -46,6 +46,10 @@ def run_generate(cfg: DictConfig, trained: Any, run_dir: Path) -> dict[str, Any]
     """Generate from ``trained`` (model, tokenizer) as ``cfg`` says; returns the metrics."""
     model, tok = trained.model, trained.tokenizer
     device = next(model.parameters()).device
+    if cfg.compile and trained.arch != "megalodon":
+        raise ConfigError(
+            f"compile=true applies to Megalodon's static decoder; {trained.arch} decodes eagerly"
+        )
     text = prompt_text(cfg)
     ids = tok.encode(text)
     check_room(model, len(ids))
