@@ -56,6 +56,7 @@ from datamodules.text_lm import (
     loader_kwargs,
     packed_train_loader,
     token_dtype,
+    train_sentencepiece,
     write_json_atomic,
 )
 
@@ -269,8 +270,6 @@ class PretrainDataModule(L.LightningDataModule):
             return Path(self.tokenizer_path)
         path = self.trained_tokenizer_path()
         if not path.is_file():
-            from datamodules.tokenizer import train_sentencepiece
-
             print(f"[mega-suite] training a SentencePiece tokenizer on the training split: {path}")
             lines = training_text(
                 self._files_by_content(), self.text_field, self.split_seed, self.val_fraction

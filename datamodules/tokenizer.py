@@ -4,9 +4,9 @@
 modules read) with ``encode(text, bos=True)`` and ``decode(ids)``. A prompt is encoded as the training data
 was written, ``BOS tokens`` (documents are packed as ``BOS tokens EOS``).
 
-``train_sentencepiece(lines, path, ...)``: the step the PG-19, KJV and pretraining data modules run when no
-tokenizer is given, deterministic for the same lines (SentencePiece's sentence sample is seeded). A run
-directory keeps a copy of its tokenizer under ``RUN_TOKENIZER_NAMES`` so that it is self-contained.
+``train_sentencepiece(lines, path, ...)`` (``text_lm``): the step the pretraining data module runs when no
+tokenizer is given, the same file for the same lines. A run directory keeps a copy of its tokenizer under
+``RUN_TOKENIZER_NAMES`` so that it is self-contained.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from pathlib import Path
 
 from datamodules.errors import DataError
 from datamodules.pretrain import DocumentTokenizer
-from datamodules.text_lm import MissingDataError
+from datamodules.text_lm import MissingDataError, reservoir, train_sentencepiece
+
+__all__ = ["RUN_TOKENIZER_NAMES", "TextTokenizer", "copy_tokenizer", "find_tokenizer", "reservoir",
+           "train_sentencepiece"]  # fmt: skip
 
 # The copy a run directory or an exported bundle keeps, by format (suffix of the source file).
 RUN_TOKENIZER_NAMES = {".model": "tokenizer.model", ".json": "tokenizer.json"}
-TOKENIZER_SEED = 0  # the seed of the sentence sample (reservoir): the same corpus gives the same model
 
 
 class TextTokenizer(DocumentTokenizer):
@@ -74,65 +76,3 @@ def copy_tokenizer(source: str | os.PathLike, folder: str | os.PathLike) -> Path
     shutil.copyfile(source, tmp)
     os.replace(tmp, out)
     return out
-
-
-def train_sentencepiece(
-    lines: Iterable[str],
-    path: str | os.PathLike,
-    vocab_size: int,
-    model_type: str = "unigram",
-    byte_fallback: bool = True,
-    input_sentence_size: int = 5_000_000,
-) -> Path:
-    """Train a SentencePiece model on ``lines`` and write it to ``path`` (atomically). BOS = 1, EOS = 2,
-    UNK = 0, no PAD; ``hard_vocab_limit`` off, so a small corpus may give fewer pieces than ``vocab_size``.
-
-    The same lines in the same order give the same file, byte for byte: beyond ``input_sentence_size``
-    lines a seeded reservoir sample is taken here (SentencePiece's own sample is not reproducible, whatever
-    its seed), and the model is written through a buffer (a file's path would be recorded in it)."""
-    import io
-
-    import sentencepiece as spm
-
-    sample = reservoir(lines, input_sentence_size) if input_sentence_size > 0 else list(lines)
-    if not sample:
-        raise DataError(f"no text to train the tokenizer {path} on: the training split is empty")
-    buffer = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sample),
-        model_writer=buffer,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=byte_fallback,
-        hard_vocab_limit=False,
-        input_sentence_size=0,  # every line given (sampled above)
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-    )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, path)
-    return path
-
-
-def reservoir(lines: Iterable[str], size: int) -> list[str]:
-    """A uniform sample of ``size`` lines (all of them when fewer), the same for the same lines in the same
-    order (Algorithm R with a fixed seed), in their original order."""
-    import random
-
-    rng = random.Random(TOKENIZER_SEED)
-    kept: list[tuple[int, str]] = []
-    for i, line in enumerate(lines):
-        if i < size:
-            kept.append((i, line))
-        else:
-            j = rng.randrange(i + 1)
-            if j < size:
-                kept[j] = (i, line)
-    return [line for _, line in sorted(kept)]

@@ -29,13 +29,6 @@ from mega_suite.config.resolve import data_module, model_config
 from mega_suite.config.schema import RunConfig
 from mega_suite.models import arch_of, build_model
 from mega_suite.models.bundle import BundleError, is_bundle, load_bundle_into, read_config
-from mega_suite.training.checkpoint import (
-    _strip,
-    from_reference,
-    is_sharded_checkpoint,
-    recover_checkpoint,
-    sharded_model_state,
-)
 
 STEP_CHECKPOINT = re.compile(r"step(\d+)\.ckpt$")
 
@@ -72,13 +65,40 @@ def device_of(cfg: DictConfig) -> torch.device:
     return torch.device("cuda" if use_gpu else "cpu")
 
 
+# Checkpoint files are read here, not through training.checkpoint: its command line (export) reaches this
+# module, and the import graph stays acyclic. The formats are checkpoint.py's (Lightning file with "state_dict"
+# and "global_step", sharded torch.distributed.checkpoint directory with meta.pt, or a bare state dict).
+_PREFIXES = ("_orig_mod.", "module.", "model.")
+
+
+def _strip(key: str) -> str:
+    while key.startswith(_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def sharded_model_state(path: Path) -> dict[str, Tensor]:
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
+        state = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
+    return {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+
+
 def checkpoint_path(path: str | Path) -> Path:
     """A bundle or checkpoint as given; a run directory -> its ``checkpoints/last.ckpt``."""
     path = Path(path)
     if is_bundle(path) or is_sharded_checkpoint(path) or path.is_file():
         return path
     if path.is_dir():
-        last = recover_checkpoint(path / "checkpoints" / "last.ckpt")
+        last = path / "checkpoints" / "last.ckpt"
         if last.exists():
             return last
         if (path / "config.json").is_file():
@@ -116,7 +136,7 @@ def checkpoint_state(path: Path) -> tuple[OrderedDict[str, Tensor], int | None]:
         meta = path / "meta.pt"
         if meta.is_file():
             step = torch.load(meta, map_location="cpu", weights_only=True).get("global_step")
-        return sharded_model_state(path), step
+        return OrderedDict((_strip(k), v) for k, v in sharded_model_state(path).items()), step
     obj = torch.load(path, map_location="cpu", weights_only=True)
     step = None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
@@ -180,9 +200,10 @@ def load_trained(cfg: DictConfig, path: str | Path) -> Trained:
         run_cfg, origin = run_config_of(run_dir, cfg)
         state, step = checkpoint_state(source)
         updates = {"vocab_size": int(state["embed.weight"].shape[0])} if "embed.weight" in state else {}
-        try:
+        try:  # strictly: a RuntimeError names every missing, unexpected or mis-shaped tensor
             model = build_model(model_config(run_cfg, **updates))
-            model.load_state_dict(from_reference(state, model), strict=True)
+            state.pop("rope.freqs", None)  # the reference release's buffer; ours are derived from the config
+            model.load_state_dict(state, strict=True)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"ckpt={path} does not fit the model of {origin}: {exc}") from None
         tokenizer = tokenizer_for(cfg, run_dir, source.parent)
