@@ -3,12 +3,14 @@
 #
 #   bash bench/kjv_figures.sh train   # (a) Megalodon vs Llama, same tokens/optimiser/data order, seeds $SEEDS
 #   bash bench/kjv_figures.sh context # (b) validation perplexity vs context length from the seed-$CTX_SEED checkpoints
-#   bash bench/kjv_figures.sh all     # both
+#   bash bench/kjv_figures.sh passkey # (c) passkey retrieval at 1K ... 64K tokens from the seed-$CTX_SEED checkpoints
+#   bash bench/kjv_figures.sh all     # (a), (b) and (c)
 #
 # Each seed's Megalodon and Llama run side by side (two processes, one thread each) so that their wall
 # times are measured under the same load. Runs go to $RUN_ROOT/<arch>-s<seed>/kjv/<time>/ (TensorBoard
 # reads them all: `tensorboard --logdir $RUN_ROOT`); tables and plots to $OUT.
-# Knobs (environment): DATA_DIR, SEEDS, STEPS, BATCH, SEQ_LEN, CONTEXTS, EVAL_DOCS, RUN_ROOT, OUT, PYTHON.
+# Knobs (environment): DATA_DIR, SEEDS, STEPS, BATCH, SEQ_LEN, CONTEXTS, EVAL_DOCS, PASSKEY_LENGTHS,
+# PASSKEY_SAMPLES, RUN_ROOT, OUT, PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,9 @@ SEQ_LEN=${SEQ_LEN:-1024}
 # length is a full pass over the book, so the list is kept short on a CPU).
 CONTEXTS=${CONTEXTS:-"[512,1024,4096,16384,54112]"}
 EVAL_DOCS=${EVAL_DOCS:-1}
+# Passkey prompts: haystacks of the held-out (validation) books, the needle 10% ... 90% deep.
+PASSKEY_LENGTHS=${PASSKEY_LENGTHS:-"[1024,2048,4096,8192,16384,32768,65536]"}
+PASSKEY_SAMPLES=${PASSKEY_SAMPLES:-5}
 DATA_DIR=${DATA_DIR:-data}
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
 
@@ -74,9 +79,25 @@ context() {
     --out "$OUT/ppl_vs_context"
 }
 
+passkey() {
+  mkdir -p "$OUT"
+  for arch in megalodon llama; do
+    local run
+    run=$(latest "$arch-s$CTX_SEED")
+    "$PYTHON" run.py recipe=kjv data.data_dir="$DATA_DIR" mode=passkey ckpt="$run" trainer.accelerator=cpu \
+      passkey.lengths="$PASSKEY_LENGTHS" passkey.samples="$PASSKEY_SAMPLES" \
+      passkey.haystack="$DATA_DIR/kjv/validation" run_root="$RUN_ROOT/passkey-$arch" \
+      > "$RUN_ROOT/passkey-$arch.log" 2>&1 &
+  done
+  wait_all
+  "$PYTHON" -m mega_suite.evaluation.passkey "$(latest passkey-megalodon)" "$(latest passkey-llama)" \
+    --out "$OUT/passkey"
+}
+
 case "${1:-all}" in
   train) train ;;
   context) context ;;
-  all) train && context ;;
-  *) echo "usage: $0 [train|context|all]" >&2; exit 2 ;;
+  passkey) passkey ;;
+  all) train && context && passkey ;;
+  *) echo "usage: $0 [train|context|passkey|all]" >&2; exit 2 ;;
 esac

@@ -192,6 +192,12 @@ class PG19DataModule(L.LightningDataModule):
                 )
         return self._sp
 
+    @property
+    def tokenizer_file(self) -> Path:
+        """The tokenizer file the run uses (trained now when none was given and none is cached)."""
+        self.tokenizer  # noqa: B018  (trains one when needed)
+        return Path(self.tokenizer_path) if self.tokenizer_path is not None else self._trained_model_path()
+
     def _train_tokenizer(self, path: Path) -> None:
         self._check_layout()
         path.parent.mkdir(parents=True, exist_ok=True)

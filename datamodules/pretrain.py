@@ -3,7 +3,8 @@
 Layout (docs/data.md#pretraining-corpora): files matching ``patterns`` under ``data_dir`` (``.jsonl`` or ``.jsonl.gz``), one JSON
 object per line with the document in ``text_field`` (default ``"text"``). Tokenizer by path: a SentencePiece
 ``.model`` or a Hugging Face ``tokenizer.json`` (BOS/EOS found among the usual names, or given as
-``bos_token``/``eos_token``). Each input file is tokenised once into two memory-mapped shards under
+``bos_token``/``eos_token``); without one, a SentencePiece model trained on the training documents only,
+cached under a key of the corpus's content (``trained_tokenizer_path``). Each input file is tokenised once into two memory-mapped shards under
 ``<cache_dir>/tokens_<tokenizer hash>/``: ``<key>.train.bin`` and ``<key>.val.bin`` (``uint16`` when the
 vocabulary has at most 65536 ids, else ``uint32``), where ``<key>`` hashes the file's path, size and mtime and
 the split settings, so adding files tokenises only the new ones (the key only names the cache; it never
@@ -55,6 +56,7 @@ from datamodules.text_lm import (
     loader_kwargs,
     packed_train_loader,
     token_dtype,
+    train_sentencepiece,
     write_json_atomic,
 )
 
@@ -62,6 +64,7 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|endoftext|>")
 EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|endoftext|>")
 _ENCODE_BATCH = 1024  # documents per call of the tokenizer's multi-threaded batch encoder
 _SHARD_FORMAT = 2  # 2: content-defined split
+_TOKENIZER_FORMAT = 1  # part of a trained tokenizer's cache key
 
 
 def held_out(text: str, split_seed: int, val_fraction: float) -> bool:
@@ -129,6 +132,15 @@ class DocumentTokenizer:
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
 
 
+def training_text(files: list[Path], text_field: str, split_seed: int, val_fraction: float) -> Iterator[str]:
+    """The lines a tokenizer trained for this corpus learns from: the non-empty lines of the training
+    documents only (``held_out`` ones never reach it), in file then document order."""
+    for path in files:
+        for text in _documents(path, text_field):
+            if not held_out(text, split_seed, val_fraction):
+                yield from (line for line in map(str.strip, text.splitlines()) if line)
+
+
 def _documents(path: Path, text_field: str) -> Iterator[str]:
     """The documents of a JSON-lines file (blank lines skipped); a :class:`DataError` naming the file and line
     for anything else than a JSON object whose ``text_field`` is a string, for a file with no documents and
@@ -180,7 +192,7 @@ class PretrainDataModule(L.LightningDataModule):
     def __init__(
         self,
         data_dir: str,
-        tokenizer_path: str,
+        tokenizer_path: str | None = None,
         batch_size: int = 1,
         num_workers: int = 0,
         seed: int = 0,
@@ -193,11 +205,16 @@ class PretrainDataModule(L.LightningDataModule):
         eos_token: str | None = None,
         eval_batch_size: int | None = None,
         cache_dir: str | None = None,
+        vocab_size: int = 32000,
+        spm_model_type: str = "unigram",
+        byte_fallback: bool = True,
+        spm_input_sentence_size: int = 5_000_000,
     ):
         """
         Args:
             data_dir: folder the glob ``patterns`` are relative to (absolute patterns are allowed too).
-            tokenizer_path: SentencePiece ``.model`` or Hugging Face ``tokenizer.json``.
+            tokenizer_path: SentencePiece ``.model`` or Hugging Face ``tokenizer.json``; None trains a
+                SentencePiece model on the training split (``trained_tokenizer_path``).
             batch_size: training sequences per batch (per device).
             seed: seeds the training order (resumable mid-epoch); never the split.
             seq_len: tokens per training sequence (the paper's 7B: 32768).
@@ -211,6 +228,8 @@ class PretrainDataModule(L.LightningDataModule):
             eval_batch_size: validation batch size (default ``batch_size``).
             cache_dir: token shards (default ``<data_dir>/cache/pretrain``, or a per-user cache when the data
                 directory is read-only).
+            vocab_size, spm_model_type, byte_fallback, spm_input_sentence_size: the SentencePiece model trained
+                when no ``tokenizer_path`` is given.
         """
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
@@ -228,14 +247,78 @@ class PretrainDataModule(L.LightningDataModule):
         self.split_seed = split_seed
         self.text_field = text_field
         self.special_tokens = (bos_token, eos_token)
+        self.spm_options = dict(
+            vocab_size=vocab_size,
+            model_type=spm_model_type,
+            byte_fallback=byte_fallback,
+            input_sentence_size=spm_input_sentence_size,
+        )
         self._tokenizer: DocumentTokenizer | None = None
         self.streams: dict[str, TokenStream] = {}
 
     @property
     def tokenizer(self) -> DocumentTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = DocumentTokenizer(self.tokenizer_path, *self.special_tokens)
+            self._tokenizer = DocumentTokenizer(self.tokenizer_file, *self.special_tokens)
         return self._tokenizer
+
+    @property
+    def tokenizer_file(self) -> Path:
+        """The tokenizer the run uses: ``tokenizer_path``, or the one trained on this corpus (trained now if
+        absent)."""
+        if self.tokenizer_path is not None:
+            return Path(self.tokenizer_path)
+        path = self.trained_tokenizer_path()
+        if not path.is_file():
+            print(f"[mega-suite] training a SentencePiece tokenizer on the training split: {path}")
+            lines = training_text(
+                self._files_by_content(), self.text_field, self.split_seed, self.val_fraction
+            )
+            train_sentencepiece(lines, path, **self.spm_options)
+        return path
+
+    def trained_tokenizer_path(self) -> Path:
+        """``<cache_dir>/tokenizer_<key>/spm_<type>_<vocab>.model``; the key hashes the input files' contents
+        (not their names or times), the split settings and the SentencePiece options."""
+        digests = sorted(self._content_digests().values())
+        ident = json.dumps(
+            [
+                digests,
+                self.val_fraction,
+                self.split_seed,
+                self.text_field,
+                self.spm_options,
+                _TOKENIZER_FORMAT,
+            ]
+        )
+        key = hashlib.sha1(ident.encode()).hexdigest()[:12]
+        o = self.spm_options
+        return self.cache_dir / f"tokenizer_{key}" / f"spm_{o['model_type']}_{o['vocab_size']}.model"
+
+    def _content_digests(self) -> dict[Path, str]:
+        """SHA-256 of each input file's bytes, remembered by path, size and mtime (read once per change)."""
+        memo_path = self.cache_dir / "content_digests.json"
+        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+        out, changed = {}, False
+        for path in self.input_files():
+            stat = path.stat()
+            ident = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+            if ident not in memo:
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                memo[ident], changed = h.hexdigest(), True
+            out[path] = memo[ident]
+        if changed:
+            write_json_atomic(memo_path, memo)
+        return out
+
+    def _files_by_content(self) -> list[Path]:
+        """The input files in the order of their contents' digests: the training text does not depend on
+        where the corpus lies or what its files are called."""
+        digests = self._content_digests()
+        return sorted(digests, key=lambda p: (digests[p], str(p)))
 
     @property
     def vocab_size(self) -> int:

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -379,3 +379,68 @@ def eval_stream_rank(datamodule) -> tuple[int, int]:
     if trainer is None:
         return 0, 1
     return int(trainer.global_rank), int(trainer.world_size)
+
+
+TOKENIZER_SEED = 0  # the seed of the sentence sample (reservoir): the same corpus gives the same model
+
+
+def train_sentencepiece(
+    lines: Iterable[str],
+    path: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "unigram",
+    byte_fallback: bool = True,
+    input_sentence_size: int = 5_000_000,
+) -> Path:
+    """Train a SentencePiece model on ``lines`` and write it to ``path`` (atomically). BOS = 1, EOS = 2,
+    UNK = 0, no PAD; ``hard_vocab_limit`` off, so a small corpus may give fewer pieces than ``vocab_size``.
+
+    The same lines in the same order give the same file, byte for byte: beyond ``input_sentence_size``
+    lines a seeded reservoir sample is taken here (SentencePiece's own sample is not reproducible, whatever
+    its seed), and the model is written through a buffer (a file's path would be recorded in it)."""
+    import io
+
+    import sentencepiece as spm
+
+    sample = reservoir(lines, input_sentence_size) if input_sentence_size > 0 else list(lines)
+    if not sample:
+        raise DataError(f"no text to train the tokenizer {path} on: the training split is empty")
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample),
+        model_writer=buffer,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=byte_fallback,
+        hard_vocab_limit=False,
+        input_sentence_size=0,  # every line given (sampled above)
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, path)
+    return path
+
+
+def reservoir(lines: Iterable[str], size: int) -> list[str]:
+    """A uniform sample of ``size`` lines (all of them when fewer), the same for the same lines in the same
+    order (Algorithm R with a fixed seed), in their original order."""
+    import random
+
+    rng = random.Random(TOKENIZER_SEED)
+    kept: list[tuple[int, str]] = []
+    for i, line in enumerate(lines):
+        if i < size:
+            kept.append((i, line))
+        else:
+            j = rng.randrange(i + 1)
+            if j < size:
+                kept[j] = (i, line)
+    return [line for _, line in sorted(kept)]

@@ -16,6 +16,7 @@ _EXPORTS = {
     "build_model": "mega_suite.models",
     "count_parameters": "mega_suite.models",
     "create_model": "mega_suite.models",
+    "from_pretrained": "mega_suite.models.bundle",
     "get_config": "mega_suite.models",
     "list_models": "mega_suite.models",
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from mega_suite.config.after import validate_after
 from mega_suite.config.resolve import (
     accumulation,
     data_contract,
@@ -36,6 +37,7 @@ def validate(cfg: DictConfig, user_classes: int | None = None) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
     _validate_data(cfg, user_classes)
     _validate_mode(cfg)
+    validate_after(cfg)  # generate / lm_eval / passkey and periodic checkpoints
     _validate_trainer(cfg)
     try:
         model_config(cfg)

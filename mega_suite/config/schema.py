@@ -97,6 +97,29 @@ class TrainerSection:
     float32_matmul_precision: str = "highest"
     deterministic: bool = False
     progress_bar: bool = True
+    # > 0: also keep a checkpoint every N optimizer steps (checkpoints/step<N>.ckpt), for scores against
+    # training tokens (mode=lm_eval lm_eval.checkpoints=RUN_DIR); keep_checkpoints: the newest K of them (0: all)
+    save_every_n_steps: int = 0
+    keep_checkpoints: int = 0
+
+
+@dataclass
+class LmEvalSection:  # mode=lm_eval: EleutherAI's lm-evaluation-harness (docs/after_training.md#lm_eval)
+    tasks: list[str] = field(default_factory=list)  # harness task / group names, or local ones (include_path)
+    num_fewshot: int | None = None  # None: each task's own
+    limit: float | None = None  # examples per task (a fraction when < 1); None: all
+    include_path: str | None = None  # a folder of local task YAMLs (JSON data_files relative to each YAML)
+    checkpoints: list[str] = field(
+        default_factory=list
+    )  # score several: checkpoint paths, or one run directory
+    max_gen_toks: int = 256  # generate-until tasks that set no max_gen_toks
+
+
+@dataclass
+class PasskeySection:  # mode=passkey: needle-in-a-haystack retrieval (docs/after_training.md#passkey)
+    lengths: list[int] = field(default_factory=list)  # prompt lengths in tokens; empty: 1K, 2K, ... 64K
+    samples: int = 5  # prompts per length (needle depths spread evenly from 10% to 90%)
+    haystack: str = "filler"  # filler (repeated sentences) | a text file or a folder of .txt files
 
 
 @dataclass
@@ -104,17 +127,33 @@ class RunConfig:
     recipe: str = "debug"  # recipe name (recipes/<name>.yaml)
     description: str = ""  # one line shown by `python run.py recipe=list`
     task: str = "classify"  # classify | lm
-    mode: str = "fit"  # fit | validate | test | eval_context | plan (memory per GPU, nothing allocated)
+    # fit | validate | test | eval_context | plan (memory per GPU, nothing allocated) | generate | lm_eval | passkey
+    mode: str = "fit"
     seed: int = 1234
     run_root: str = "runs"  # runs/<recipe>/<timestamp>/
     run_dir: str | None = None  # set to reuse a directory
     resume: str | None = None  # auto | path to a .ckpt or a run directory
-    ckpt: str | None = None  # checkpoint for validate / test
+    ckpt: str | None = (
+        None  # validate / test / eval_context / generate / lm_eval / passkey; an exported bundle too
+    )
     init_from: str | None = None  # fit: start from this checkpoint's model weights (new optimizer, step 0)
     eval_context_lengths: list[int] = field(
         default_factory=list
     )  # mode=eval_context; empty: 4K, 8K, ... longest
     eval_max_documents: int = 0  # mode=eval_context: 0 = every validation document
+    # mode=generate (docs/after_training.md#generate): the prompt (or a file holding it) and the sampling
+    prompt: str | None = None
+    prompt_file: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    compile: bool = False  # Megalodon: decode through the compiled StaticDecoder
+    # generate / lm_eval / passkey: the tokenizer file; default the run directory's or bundle's copy, else the
+    # data's (data.options.tokenizer_path)
+    tokenizer: str | None = None
+    lm_eval: LmEvalSection = field(default_factory=LmEvalSection)
+    passkey: PasskeySection = field(default_factory=PasskeySection)
     monitor: str = "val/acc"  # metric for the best checkpoint
     monitor_mode: str = "max"
     model: ModelSection = field(default_factory=ModelSection)
@@ -135,7 +174,7 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that c
 # key -> its allowed values, checked at load (config.checks)
 CHOICES = {
     "task": ("classify", "lm"),
-    "mode": ("fit", "validate", "test", "eval_context", "plan"),
+    "mode": ("fit", "validate", "test", "eval_context", "plan", "generate", "lm_eval", "passkey"),
     "monitor_mode": ("max", "min"),
     "optim.schedule": ("linear", "cosine", "constant"),
     "optim.implementation": tuple(ADAMW_KERNELS),

@@ -17,6 +17,8 @@ validation loss against tokens seen and against wall time) into ``--out``.
 - **Training tokens/s**: the median of the logged ``train/device/items_per_sec`` (per device), when logged.
 - **Wall time**: seconds from the run's first event (its logger's creation, after data preparation) to
   each event; a resumed run's pause between sessions is included.
+- **mode=lm_eval runs** (each with ``lm_eval.json``): ``lm_eval_compare.md``, their harness scores side by
+  side, a column per run.
 - **``--group-by-seed``**: runs whose ``config.yaml`` agree on everything but ``seed`` (and the run
   directory) form one row and one curve: the mean over seeds with a min/max band (on the steps every
   member logged); table cells read ``mean [min, max]``.
@@ -433,6 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 <= args.smooth < 1.0:
         parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
+    if all((Path(r) / "lm_eval.json").is_file() for r in args.runs):  # mode=lm_eval runs: their scores
+        from mega_suite.evaluation.harness import side_by_side
+
+        md = Path(args.out) / "lm_eval_compare.md"
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(side_by_side([Path(r) for r in args.runs]))
+        print(md.read_text())
+        print(f"wrote {md}")
+        return 0
     try:
         md, png = compare(args.runs, args.out, args.group_by_seed, args.smooth)
     except CompareError as exc:

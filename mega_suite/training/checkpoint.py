@@ -22,6 +22,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from mega_suite.models.bundle import bundle_state, is_bundle
+
 # Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules).
 _PREFIXES = ("_orig_mod.", "module.", "model.")
 
@@ -96,6 +98,8 @@ def load_reference_file(model: nn.Module, path: str) -> nn.Module:
     sharded (torch.distributed.checkpoint) checkpoint directory of ``trainer.strategy=fsdp``."""
     if is_sharded_checkpoint(path):
         return load_reference(model, sharded_model_state(path))
+    if is_bundle(path):  # python -m mega_suite.training.checkpoint export
+        return load_reference(model, bundle_state(path))
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = {k: v for k, v in obj["state_dict"].items() if k.startswith("model.")}
@@ -143,6 +147,8 @@ def is_lightning_checkpoint(path) -> bool:
     alone in reference format."""
     if is_sharded_checkpoint(path):
         return True
+    if is_bundle(path):
+        return False
     obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict)
 
@@ -236,6 +242,8 @@ def load_full_weights(model: nn.Module, path) -> None:
     if dist.get_rank() == 0:
         if is_sharded_checkpoint(path):
             raw = sharded_model_state(path)
+        elif is_bundle(path):
+            raw = bundle_state(path)
         else:
             raw = torch.load(path, map_location="cpu", weights_only=True)
             if isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict):
@@ -255,7 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
     c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")
     c.add_argument("out", help="output .pt file")
+    e = sub.add_parser(
+        "export", help="a run's (sharded) checkpoint -> a safetensors bundle (docs/after_training.md)"
+    )
+    e.add_argument("source", help="run directory (uses checkpoints/last.ckpt), checkpoint or bundle")
+    e.add_argument("out", help="output folder: model.safetensors, config.json, the tokenizer")
+    e.add_argument(
+        "--dtype", default=None, help="parameters' dtype in the files: bf16, fp16, fp32 (default: as saved)"
+    )
+    e.add_argument(
+        "--max-shard-size", default="5GB", help="split model.safetensors above this size (default 5GB)"
+    )
     args = parser.parse_args(argv)
+    if args.command == "export":
+        from mega_suite.training.export import export_command
+
+        return export_command(args)
     out = consolidate(args.source, args.out)
     print(f"wrote {out} ({len(torch.load(out, weights_only=True))} tensors)")
     return 0

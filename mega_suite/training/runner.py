@@ -16,6 +16,7 @@ from mega_suite.config import (
     ConfigError,
     to_yaml,
 )
+from mega_suite.config.after import AFTER_MODES
 from mega_suite.config.run_plan import SHARDING_STRATEGIES, RunPlan, resolve_plan
 from mega_suite.evaluation.context import (
     default_context_lengths,
@@ -25,6 +26,7 @@ from mega_suite.evaluation.context import (
     write_report,
 )
 from mega_suite.models import arch_of
+from mega_suite.models.bundle import is_bundle
 from mega_suite.training.callbacks import (
     GracefulStop,
     LogLines,
@@ -41,6 +43,7 @@ from mega_suite.training.checkpoint import (
 )
 from mega_suite.training.module import NonFiniteLossError, build_module
 from mega_suite.training.strategy import make_strategy
+from mega_suite.training.trained import periodic_checkpoint, run_after_training, save_run_tokenizer
 
 
 class ValWithTest(L.LightningDataModule):
@@ -192,6 +195,9 @@ def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = N
         LearningRateMonitor(logging_interval="step"),
     ]
     callbacks.append(StepProgressBar() if t.progress_bar else LogLines(t.log_every_n_steps))
+    periodic = periodic_checkpoint(cfg, ckpt_dir)  # trainer.save_every_n_steps
+    if periodic is not None:
+        callbacks.append(periodic)
     logger = TensorBoardLogger(save_dir=str(run_dir), name="", version="", default_hp_metric=False)
     limit_val = t.limit_val_batches if t.limit_val_batches <= 1.0 else int(t.limit_val_batches)
     limit_test = t.limit_test_batches if t.limit_test_batches <= 1.0 else int(t.limit_test_batches)
@@ -253,10 +259,14 @@ def _run_in(
     if not launched:
         (run_dir / name).write_text(text)
     print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
+    if cfg.mode in AFTER_MODES:  # a trained model, no trainer: generate / lm_eval / passkey
+        return {**run_after_training(cfg, run_dir), "run_dir": str(run_dir)}
 
     plan = resolve_plan(cfg)
     dm = plan.build_data()
     dm.prepare_data()
+    if cfg.mode == "fit" and not launched:
+        save_run_tokenizer(dm, run_dir)  # a run directory is self-contained
     plan = plan.with_data(dm)
     if plan.global_batch_line():
         print(f"[mega-suite] {plan.global_batch_line()}")
@@ -330,9 +340,9 @@ def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
         print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
         return
 
-    if not Path(path).is_file() and not is_sharded_checkpoint(path):
+    if not Path(path).is_file() and not is_sharded_checkpoint(path) and not is_bundle(path):
         raise FileNotFoundError(
-            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory)"
+            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory or bundle)"
         )
     if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
         module.weights_from = str(path)

@@ -3,6 +3,8 @@ time through the packed step (``Decoder``) or its fixed-buffer form (``StaticDec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -25,6 +27,7 @@ def generate(
     generator: torch.Generator | None = None,
     static: bool = False,
     compile: bool = False,
+    stop: Callable[[Tensor], bool] | None = None,
 ) -> Tensor:
     """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens; returns [B, L + new].
 
@@ -32,6 +35,7 @@ def generate(
     the chunk size, not the context length. ``static``: decode through a ``StaticDecoder`` (fixed buffers; a
     CUDA graph per step on a GPU); ``compile``: the same, its step compiled by torch.compile first (the
     fastest CPU path). Both need a float32, unsharded, non-adaptive model and no ``window_stats``.
+    ``stop(out)``: called with the tokens so far after each new one; True ends generation (a stop string).
     """
     dec = source if isinstance(source, Decoder) else Decoder(source)
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -61,6 +65,8 @@ def generate(
             finished |= nxt == eos_id
         out.append(nxt[:, None])
         if eos_id is not None and bool(finished.all()):
+            break
+        if stop is not None and stop(torch.cat(out, 1)):
             break
         logits = advance(nxt)
     return torch.cat(out, 1)

@@ -1,0 +1,433 @@
+"""``mode=lm_eval``: any suite language model scored by EleutherAI's lm-evaluation-harness
+(docs/after_training.md#lm_eval).
+
+``SuiteLM`` (registered with the harness as ``mega_suite``) is a ``TemplateLM`` over a model and its
+tokenizer:
+
+- ``loglikelihood``: the continuation's log-probability from the model's own scoring (``token_nll`` on the
+  hidden states of its streaming pass, fed one ``eval_segment`` at a time: memory bounded by a chunk);
+- ``loglikelihood_rolling``: a whole document scored by ``score_window``, the streaming evaluation
+  ``eval_context`` runs (``evaluation/context.py``);
+- ``generate_until``: ``models.generation.generate`` (greedy unless the task samples), stopped at the first
+  stop string or EOS, cut there.
+
+Megalodon streams its exact recurrent state, so it is scored with its full context. Llama sees its window:
+its streaming pass is the sliding window, and a generation prompt longer than the window keeps its last
+``max_seq_len`` tokens; the report says so. Requests are scored one at a time (batch 1).
+
+The harness runs offline (``HF_DATASETS_OFFLINE``, ``HF_HUB_OFFLINE``): a task reads local data
+(``dataset_path: json`` with ``data_files``, relative paths resolved against its YAML's folder) or the
+Hugging Face cache; a task whose data is in neither fails with one error naming it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported (it reads them once)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from mega_suite.config import ConfigError  # noqa: E402
+from mega_suite.evaluation.context import score_window  # noqa: E402
+from mega_suite.models import arch_of  # noqa: E402
+from mega_suite.models.generation import generate  # noqa: E402
+
+# The paper's downstream tasks (its Table 1 and long-context table) by the harness's names.
+PAPER_TASKS = {
+    "mmlu": "mmlu",
+    "boolq": "boolq",
+    "hellaswag": "hellaswag",
+    "piqa": "piqa",
+    "siqa": "social_iqa",
+    "winogrande": "winogrande",
+    "arc_e": "arc_easy",
+    "arc_c": "arc_challenge",
+    "nq": "nq_open",
+    "tqa": "triviaqa",
+    "scrolls_qa": ["scrolls_narrativeqa", "scrolls_qasper", "scrolls_quality"],
+}
+_LOCAL_DATASETS = ("json", "csv", "text", "parquet")
+
+
+@register_model("mega_suite")
+class SuiteLM(TemplateLM):
+    """A suite language model and its tokenizer (``TextTokenizer``) as the harness sees them."""
+
+    def __init__(self, model, tokenizer, max_gen_toks: int = 256):
+        super().__init__()
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.max_gen_toks = max_gen_toks
+        self.arch = arch_of(model.cfg).name
+        self.window = getattr(model.cfg, "max_seq_len", None)  # Llama
+        self._device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id  # documents were trained as BOS tokens EOS
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string, bos=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int], **kwargs) -> str:
+        return self.tok.decode(tokens)
+
+    def _with_bos(self, tokens: list[int]) -> list[int]:
+        return tokens if tokens and tokens[0] == self.tok.bos_id else [self.tok.bos_id, *tokens]
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """log p(continuation | BOS context) and whether every continuation token is the argmax."""
+        tokens = torch.tensor(self._with_bos(context) + list(continuation), device=self._device)
+        inputs, targets = tokens[:-1], tokens[1:]
+        first = inputs.numel() - len(continuation)  # first input position whose target is in the continuation
+        segment = self.model.eval_segment()
+        cache, logprob, greedy = None, 0.0, True
+        for start in range(0, inputs.numel(), segment):
+            hidden, cache = self.model.forward_hidden(
+                inputs[start : start + segment][None], cache, use_cache=True
+            )
+            keep = max(first - start, 0)
+            if keep >= hidden.shape[1]:
+                continue
+            h, y = hidden[:, keep:], targets[start + keep : start + hidden.shape[1]][None]
+            logprob -= float(self.model.token_nll(h, y).sum())
+            greedy &= bool((self.model.logits(h).argmax(-1) == y).all())
+        return logprob, greedy
+
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
+        out = []
+        for strings, context, continuation in tqdm(requests, disable=disable_tqdm, desc="loglikelihood"):
+            out.append(self.continuation_logprob(context, continuation))
+            self.cache_hook.add_partial("loglikelihood", strings, out[-1])
+        return out
+
+    @torch.no_grad()
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+            (text,) = request.args
+            tokens = torch.tensor(self.tok.encode(text, bos=True), device=self._device)
+            nll, _ = score_window(self.model, tokens, self.model.eval_segment())
+            out.append(-nll)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), out[-1])
+        return out
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, kwargs = request.args
+            out.append(self.continue_text(context, dict(kwargs)))
+            self.cache_hook.add_partial("generate_until", request.args, out[-1])
+        return out
+
+    def continue_text(self, context: str, kwargs: dict) -> str:
+        """The greedy (or sampled, with ``do_sample``) continuation of ``context`` cut at the first stop
+        string of ``until``."""
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+        sample = bool(kwargs.pop("do_sample", False)) and temperature > 0
+        ids = self.tok.encode(context, bos=True)
+        if self.window is not None and len(ids) > self.window:
+            ids = ids[-self.window :]  # what Llama sees
+        prompt = torch.tensor([ids], device=self._device)
+
+        def stop(seq: torch.Tensor) -> bool:
+            text = self.tok.decode(seq[0, len(ids) :].tolist())
+            return any(s and s in text for s in until)
+
+        seq = generate(
+            self.model, prompt, max_new, temperature=temperature if sample else 1.0,
+            top_k=kwargs.pop("top_k", None), top_p=kwargs.pop("top_p", None), greedy=not sample,
+            eos_id=self.tok.eos_id, stop=stop if until else None,
+        )  # fmt: skip
+        return cut_at_stop(self.tok.decode(seq[0, len(ids) :].tolist()), until)
+
+    def get_model_info(self) -> dict:
+        return {"model_arch": self.arch, "window": self.window}
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """``text`` up to the earliest occurrence of any stop string."""
+    cut = len(text)
+    for s in until:
+        if s and s in text:
+            cut = min(cut, text.index(s))
+    return text[:cut]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tasks
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _manager(include_path: str | None, defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(
+        include_path=include_path, include_defaults=defaults
+    )  # indexing the harness's: seconds
+
+
+def task_manager(names: list[str], include_path: str | None):
+    """A TaskManager that knows ``names``: the local folder alone when it has them all (fast), else with the
+    harness's own index; an unknown name is a ConfigError with the nearest known ones."""
+    if include_path and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"lm_eval.include_path={include_path} is not a folder of task YAMLs")
+    include_path = str(Path(include_path).resolve()) if include_path else None
+    if include_path:
+        local = _manager(include_path, False)
+        if all(n in local.all_tasks for n in names):
+            return local
+    manager = _manager(include_path, True)
+    unknown = [n for n in names if n not in manager.all_tasks and not Path(n).is_file()]
+    if unknown:
+        near = {n: difflib.get_close_matches(n, manager.all_tasks, n=3) for n in unknown}
+        raise ConfigError(
+            f"lm_eval.tasks: unknown task(s) {unknown}; nearest: {near} (the harness knows "
+            f"{len(manager.all_tasks)} names; local tasks go in lm_eval.include_path)"
+        )
+    return manager
+
+
+def task_spec(manager, name: str) -> str | dict:
+    """A task name, or, for a YAML task reading local files (``dataset_path: json`` ...), its config with
+    relative ``data_files`` resolved against the YAML's folder (``data_dir``)."""
+    from lm_eval.tasks._index import Kind
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager.task_index.get(name)
+    if entry is None or entry.kind != Kind.TASK or entry.yaml_path is None:
+        return name
+    cfg = load_yaml(entry.yaml_path, resolve_func=True)
+    if cfg.get("dataset_path") not in _LOCAL_DATASETS:
+        return name
+    kwargs = dict(cfg.get("dataset_kwargs") or {})
+    kwargs.setdefault("data_dir", str(Path(entry.yaml_path).parent))
+    return {**cfg, "dataset_kwargs": kwargs}
+
+
+def load_tasks(manager, names: list[str]) -> list:
+    """Build each task (which reads its data) once here, so that a task without its data is one error."""
+    specs = []
+    for name in names:
+        spec = task_spec(manager, name)
+        try:
+            manager.load([spec])
+        except (ConnectionError, OSError, ValueError, RuntimeError) as exc:
+            if isinstance(exc, FileNotFoundError) and not _is_hub_error(exc):
+                raise FileNotFoundError(f"lm_eval task {name!r}: {exc}") from None
+            raise ConfigError(
+                f"lm_eval task {name!r} cannot read its data offline ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:200]}): the harness never downloads here "
+                "(HF_DATASETS_OFFLINE=1). Put the data set in the Hugging Face cache (HF_DATASETS_CACHE) from a "
+                "machine with network, or give a local task YAML with JSON data_files in lm_eval.include_path"
+            ) from None
+        specs.append(spec)
+    return specs
+
+
+def _is_hub_error(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(w in text for w in ("offline", "hub", "connection", "couldn't find", "huggingface"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the mode
+# --------------------------------------------------------------------------------------------------------------
+
+
+def evaluate(lm: SuiteLM, cfg: DictConfig, manager, specs: list) -> dict:
+    from lm_eval import simple_evaluate
+
+    e = cfg.lm_eval
+    limit = None if e.limit is None else (int(e.limit) if e.limit >= 1 else float(e.limit))
+    seed = int(cfg.seed)
+    return simple_evaluate(
+        model=lm, tasks=specs, num_fewshot=e.num_fewshot, limit=limit, task_manager=manager,
+        log_samples=True, bootstrap_iters=1000, random_seed=seed, numpy_random_seed=seed,
+        torch_random_seed=seed, fewshot_random_seed=seed,
+    )  # fmt: skip
+
+
+def scalars(results: dict) -> dict[str, float]:
+    """{"task/metric": value} of the numeric metrics (stderr apart)."""
+    out = {}
+    for section in ("results", "groups"):
+        for task, metrics in (results.get(section) or {}).items():
+            for key, value in metrics.items():
+                if "," not in key or "_stderr" in key or not isinstance(value, int | float):
+                    continue
+                metric, filt = key.split(",", 1)
+                name = f"{task}/{metric}" + ("" if filt == "none" else f"/{filt}")
+                if isinstance(value, float) and math.isnan(value):
+                    continue
+                out[name] = float(value)
+    return out
+
+
+def _json(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=lambda o: repr(o)))
+
+
+def run_lm_eval(cfg: DictConfig, loaders: list[Callable[[], Any]], run_dir: Path) -> dict[str, float]:
+    """Score each trained model (``loaders``: one per checkpoint) on ``lm_eval.tasks``; write
+    ``lm_eval.json`` / ``lm_eval.md`` (several checkpoints: ``lm_eval_curve.md`` / ``.png``, score against
+    training tokens) and TensorBoard scalars into ``run_dir``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    names = list(cfg.lm_eval.tasks)
+    manager = task_manager(names, cfg.lm_eval.include_path)
+    specs = load_tasks(manager, names)
+    writer = SummaryWriter(str(run_dir))
+    rows, records = [], []
+    for index, load in enumerate(loaders):
+        trained = load()
+        lm = SuiteLM(trained.model, trained.tokenizer, max_gen_toks=int(cfg.lm_eval.max_gen_toks))
+        note = f"Model: {trained.context_note()}. Checkpoint: {trained.source}" + (
+            f" (step {trained.step}" + (f", {trained.tokens} training tokens)" if trained.tokens else ")")
+            if trained.step is not None
+            else ""
+        )
+        print(f"[mega-suite] lm_eval: {note}")
+        results = evaluate(lm, cfg, manager, specs)
+        values = scalars(results)
+        x = (
+            trained.tokens
+            if trained.tokens is not None
+            else (trained.step if trained.step is not None else index)
+        )
+        for name, value in values.items():
+            writer.add_scalar(f"lm_eval/{name}", value, x)
+        record = {
+            "checkpoint": str(trained.source), "step": trained.step, "tokens": trained.tokens,
+            "arch": trained.arch, "context": trained.context_note(), "results": results.get("results"),
+            "groups": results.get("groups"), "n-shot": results.get("n-shot"), "n-samples": results.get("n-samples"),
+            "versions": results.get("versions"), "config": results.get("config"),
+        }  # fmt: skip
+        records.append(_json(record))
+        rows.append((trained, values))
+        md = table_from_record(records[-1])
+        writer.add_text("lm_eval", md, x)
+        print(md)
+        samples = results.get("samples") or {}
+        with open(
+            run_dir / ("lm_eval_samples.jsonl" if index == 0 else f"lm_eval_samples.{index}.jsonl"), "w"
+        ) as f:
+            for task, items in samples.items():
+                for item in items:
+                    f.write(json.dumps(_json({"task": task, **item})) + "\n")
+    writer.close()
+    (run_dir / "lm_eval.json").write_text(
+        json.dumps(records[0] if len(records) == 1 else records, indent=1) + "\n"
+    )
+    (run_dir / "lm_eval.md").write_text("\n\n".join(table_from_record(r) for r in records) + "\n")
+    if len(rows) > 1:
+        write_curve(rows, run_dir)
+    print(f"[mega-suite] wrote {run_dir / 'lm_eval.json'} and the table")
+    return rows[-1][1]
+
+
+def table_from_record(record: dict) -> str:
+    lines = [f"Model: {record['context']}. Checkpoint: {record['checkpoint']}", ""]
+    lines += ["| task | metric | value | stderr | n-shot | n |", "|---|---|---:|---:|---:|---:|"]
+    for section in ("results", "groups"):
+        for task, metrics in sorted((record.get(section) or {}).items()):
+            shots = (record.get("n-shot") or {}).get(task, "")
+            n = ((record.get("n-samples") or {}).get(task) or {}).get("effective", "")
+            for key, value in metrics.items():
+                if "," not in key or "_stderr" in key or not isinstance(value, int | float):
+                    continue
+                metric, filt = key.split(",", 1)
+                err = metrics.get(f"{metric}_stderr,{filt}")
+                err = f"{err:.4f}" if isinstance(err, int | float) else "-"
+                label = metric if filt == "none" else f"{metric} ({filt})"
+                lines.append(f"| {task} | {label} | {value:.4f} | {err} | {shots} | {n} |")
+    return "\n".join(lines)
+
+
+def write_curve(rows: list, run_dir: Path) -> None:
+    """Score against training tokens over several checkpoints: ``lm_eval_curve.md`` and ``.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({n for _, values in rows for n in values})
+    lines = [
+        "| checkpoint | step | tokens | " + " | ".join(names) + " |",
+        "|---|---:|---:|" + "---:|" * len(names),
+    ]
+    for trained, values in rows:
+        cells = [f"{values[n]:.4f}" if n in values else "-" for n in names]
+        lines.append(
+            f"| {Path(trained.source).name} | {trained.step if trained.step is not None else '-'} | "
+            f"{trained.tokens if trained.tokens is not None else '-'} | " + " | ".join(cells) + " |"
+        )
+    (run_dir / "lm_eval_curve.md").write_text(rows[0][0].context_note() + "\n\n" + "\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    use_tokens = all(t.tokens is not None for t, _ in rows)
+    xs = [t.tokens if use_tokens else (t.step if t.step is not None else i) for i, (t, _) in enumerate(rows)]
+    for name in names:
+        ax.plot(xs, [v.get(name, float("nan")) for _, v in rows], marker="o", label=name)
+    ax.set_xlabel("training tokens" if use_tokens else "step")
+    ax.set_ylabel("score")
+    ax.set_title("lm-evaluation-harness score against training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run_dir / "lm_eval_curve.png", dpi=120)
+    plt.close(fig)
+
+
+def side_by_side(paths: list[Path]) -> str:
+    """The ``lm_eval.json`` of several runs as one Markdown table, a column per run
+    (``python -m mega_suite.evaluation.compare``)."""
+    records = []
+    for path in paths:
+        file = Path(path) / "lm_eval.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path}: no lm_eval.json (a mode=lm_eval run directory was expected)")
+        record = json.loads(file.read_text())
+        records.append(record[-1] if isinstance(record, list) else record)
+    values = [scalars(r) for r in records]
+    names = sorted({n for v in values for n in v})
+    lines = [
+        "| task / metric | "
+        + " | ".join(f"{Path(p).name} ({r['arch']})" for p, r in zip(paths, records))
+        + " |"
+    ]
+    lines.append("|---|" + "---:|" * len(records))
+    for name in names:
+        lines.append(
+            f"| {name} | " + " | ".join(f"{v[name]:.4f}" if name in v else "-" for v in values) + " |"
+        )
+    notes = [
+        f"- {Path(p).name}: {r['context']}; checkpoint {r['checkpoint']}" for p, r in zip(paths, records)
+    ]
+    return "\n".join(lines + [""] + notes) + "\n"
