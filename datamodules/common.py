@@ -35,6 +35,13 @@ def set_data_parallel(rank: int, size: int) -> None:
     _DATA_PARALLEL = (rank, size)
 
 
+def reset_data_parallel() -> None:
+    """Forget ``set_data_parallel``'s declaration: the next run in this process (a notebook, a test) reads the
+    world's ranks unless its strategy declares its own."""
+    global _DATA_PARALLEL
+    _DATA_PARALLEL = None
+
+
 def declared_data_parallel() -> tuple[int, int] | None:
     """``set_data_parallel``'s (rank, size), or None when the data-parallel ranks are the world's."""
     return _DATA_PARALLEL

@@ -72,11 +72,13 @@ class SuiteModule(L.LightningModule):
         # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.distributed.fsdp)
         self.chunk_parallel = None
         self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
-        if meta_init:
-            with torch.device("meta"):
-                self.model = build_model(model_cfg)
-        else:
+        # One initialisation whatever the strategy: built on the meta device, materialised, seeded, then
+        # init_weights() -- at once here, or per shard in configure_model (init_sharded draws the same
+        # numbers), so that one seed gives the same initial model on one device, under DDP and FSDP2.
+        with torch.device("meta"):
             self.model = build_model(model_cfg)
+        if not meta_init:
+            self.materialize(sharded=False)
         self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))
 
     # ----------------------------------------------------------------- sharding
@@ -263,7 +265,7 @@ class SequenceClassifier(SuiteModule):
         self.check_finite(loss)
         hard = label.argmax(-1) if label.dim() == 2 else label
         self.train_acc(logits, hard)
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/loss", loss, on_step=True, prog_bar=True, sync_dist=True)  # the global batch's mean
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return loss
 
@@ -316,28 +318,36 @@ class CausalLM(SuiteModule):
         cp = self.chunk_parallel
         if cp is None:
             nll, count = self.lm_loss(batch)
-            loss = logged = nll / count.clamp(min=1)
+            loss = nll / count.clamp(min=1)
         else:
-            loss, logged = self._chunk_parallel_loss(batch, cp)
+            loss, nll, count = self._chunk_parallel_loss(batch, cp)
+        logged = self._mean_over_ranks(nll.detach(), count)
         self.check_finite(logged)
         self.log("train/loss", logged, on_step=True, prog_bar=True)
         self.log("train/ppl", torch.exp(logged.detach().clamp(max=30)), on_step=True)
         return loss
 
-    def _chunk_parallel_loss(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
+    def _chunk_parallel_loss(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's chunk-aligned slice of the batch; the loss is the mean over the whole sequences.
 
         share_r = NLL_r / (tokens of the whole group), so sum_r share_r is the sequences' mean NLL. FSDP2
         averages gradients over all dp x P ranks, so each rank returns P * share_r: the average is then the
-        mean over the data-parallel replicas of the group sums. Returns (loss to back-propagate, logged mean).
+        mean over the data-parallel replicas of the group sums. Returns (loss to back-propagate, this slice's
+        NLL sum, its token count).
         """
-        import torch.distributed as dist
-
         nll, count = self.lm_loss(slice_batch(batch, cp.rank, cp.world, self.model.cfg.chunk_size))
         share = global_mean_loss(nll, count, cp)
-        mean = share.detach().clone()
-        dist.all_reduce(mean, group=cp.group)
-        return share * cp.world, mean
+        return share * cp.world, nll, count
+
+    def _mean_over_ranks(self, nll: Tensor, count: Tensor) -> Tensor:
+        """The logged training loss: the mean NLL over every token of the global batch (all ranks' slices and
+        replicas), the same number under every strategy; rank 0's own share of the batch otherwise."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1:
+            return nll / count.clamp(min=1)
+        total = torch.stack([nll.double(), count.double()])
+        total = trainer.strategy.reduce(total, reduce_op="sum")
+        return (total[0] / total[1].clamp(min=1)).to(nll.dtype)
 
     def _chunk_parallel_hidden(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
         """Evaluation of a [B, L] batch under chunk parallelism: this rank's chunk-aligned slice (the slices

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from datamodules.common import reset_data_parallel
 from mega_suite.config import (
     ConfigError,
     to_yaml,
@@ -226,6 +227,7 @@ _RUN_ENV = "MEGA_SUITE_RUN"  # "run_dir<pathsep>resume_ckpt" of the launching ra
 def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Execute a resolved configuration. Returns the final metrics (and the run directory)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    reset_data_parallel()  # an earlier chunk-parallel run in this process declared its own data ranks
     # Lightning starts ranks 1.. of a multi-device run by re-running this command (its subprocess launcher):
     # they take the run directory and checkpoint rank 0 resolved, passed down in the environment.
     launched = os.environ.get(_RUN_ENV)
