@@ -221,13 +221,18 @@ class PG19DataModule(L.LightningDataModule):
         errors: list[DataError] = []
 
         def lines() -> Iterator[str]:
-            for book in tqdm(book_files(self.root / "train"), desc="pg19 tokenizer training", mininterval=2):
-                try:
-                    text = read_book(book)
-                except DataError as exc:  # SentencePiece turns it into a RuntimeError: keep it to re-raise
-                    errors.append(exc)
-                    raise
-                yield from (line for line in map(str.strip, text.splitlines()) if line)
+            books = book_files(self.root / "train")
+            # closed on an error too, so that the error line starts a line of its own
+            with tqdm(books, desc=f"{self.cache_name} tokenizer training", mininterval=2) as bar:
+                for book in bar:
+                    try:
+                        text = read_book(book)
+                    except (
+                        DataError
+                    ) as exc:  # SentencePiece turns it into a RuntimeError: keep it to re-raise
+                        errors.append(exc)
+                        raise
+                    yield from (line for line in map(str.strip, text.splitlines()) if line)
 
         try:
             self._run_trainer(lines(), prefix)
@@ -289,8 +294,15 @@ class PG19DataModule(L.LightningDataModule):
             offsets = [0]
             words = 0
             ends: list[np.ndarray] = []  # per token of the evaluation splits: words ending there
-            with TokenFileWriter(self.token_dir / f"{split}.bin", dtype) as writer:
-                bar = tqdm(total=len(files), desc=f"tokenising pg19 {split}", unit=" books", mininterval=2)
+            with (
+                TokenFileWriter(self.token_dir / f"{split}.bin", dtype) as writer,
+                tqdm(
+                    total=len(files),
+                    desc=f"tokenising {self.cache_name} {split}",
+                    unit=" books",
+                    mininterval=2,
+                ) as bar,
+            ):
                 for i in range(0, len(files), _ENCODE_BATCH):
                     texts = [read_book(p) for p in files[i : i + _ENCODE_BATCH]]
                     words += sum(len(t.split()) for t in texts)
@@ -306,7 +318,6 @@ class PG19DataModule(L.LightningDataModule):
                         writer.write(np.asarray([sp.bos_id(), *ids, sp.eos_id()], dtype=np.int64))
                         offsets.append(writer.num_tokens)
                     bar.update(len(texts))
-                bar.close()
             if split != "train":
                 counts = np.concatenate(ends)
                 assert counts.sum() == words and len(counts) == offsets[-1]

@@ -189,17 +189,21 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_dir / f"waveforms.tmp{os.getpid()}.npy"
         waves = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int16, shape=(len(keep), CLIP_SAMPLES))
-        for i, (path, _) in enumerate(tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips")):
-            try:
-                audio, rate = soundfile.read(str(path), dtype="int16")
-            except (RuntimeError, soundfile.LibsndfileError) as e:
-                raise DataError(f"{path} is not a readable WAV file ({e}); expected 16 kHz mono") from None
-            if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
-                raise DataError(
-                    f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
-                    f"{CLIP_SAMPLES} samples as its header says"
-                )
-            waves[i] = audio
+        # the bar is closed on an error too, so that the error line starts a line of its own
+        with tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips") as bar:
+            for i, (path, _) in enumerate(bar):
+                try:
+                    audio, rate = soundfile.read(str(path), dtype="int16")
+                except (RuntimeError, soundfile.LibsndfileError) as e:
+                    raise DataError(
+                        f"{path} is not a readable WAV file ({e}); expected 16 kHz mono"
+                    ) from None
+                if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
+                    raise DataError(
+                        f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
+                        f"{CLIP_SAMPLES} samples as its header says"
+                    )
+                waves[i] = audio
         waves.flush()
         del waves
         np.save(self.cache_dir / "labels.npy", np.asarray([y for _, y in keep], dtype=np.int64))

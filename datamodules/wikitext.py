@@ -72,8 +72,8 @@ def read_lines(path: str | os.PathLike, desc: str) -> Iterator[str]:
             f"{path} is empty: expected WikiText-103 text (one paragraph per line); re-download it"
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            yield from tqdm(f, desc=desc, unit=" lines", mininterval=2)
+        with open(path, encoding="utf-8") as f, tqdm(f, desc=desc, unit=" lines", mininterval=2) as bar:
+            yield from bar
     except UnicodeDecodeError:
         with open(path, "rb") as f:  # find the line for the message
             for number, raw in enumerate(f, 1):

@@ -2,10 +2,11 @@
 
 ``SuiteCheckpoint`` is Lightning's ``ModelCheckpoint`` made the one writer of a run's checkpoints:
 
-- ``last.ckpt`` is written through it alone (after each validation, on a stop request, at the end of the fit:
-  ``save_last``), so it knows the file is its own and never puts a ``last-vN.ckpt`` beside it. (Its
+- ``last.ckpt`` is written through it alone (after every validation, on a stop request, at the end of the
+  fit: ``save_last``), so it knows the file is its own and never puts a ``last-vN.ckpt`` beside it. (Its
   ``on_train_end`` saved "last" again when it had not written one itself: after a stop before the first
-  validation that made ``last-v1.ckpt``, written at the end of the loop, from which a resume was not exact.)
+  validation that made ``last-v1.ckpt``, written at the end of the loop, from which a resume was not exact.
+  And it wrote "last" only at validations that improved on the best checkpoint.)
 - A checkpoint is good only if the model is finite and its validation, when one ran, was finite: a
   non-finite validation saves nothing and stops the run (``NonFiniteLossError``); no diverged weights ever
   replace ``last.ckpt`` or become ``best-*.ckpt``.
@@ -89,6 +90,10 @@ class SuiteCheckpoint(ModelCheckpoint):
                     f"non-finite validation ({values}) at step {trainer.global_step}; stopping without saving it."
                 )
         super().on_validation_end(trainer, pl_module)
+        # Lightning writes "last" only at a step that also saved a best checkpoint: last.ckpt would lag behind
+        # every validation that did not improve on the best (a crash then loses those steps).
+        if not self._should_skip_saving_checkpoint(trainer) and not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if not weights_finite(trainer, trainer.lightning_module):

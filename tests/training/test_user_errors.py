@@ -366,6 +366,27 @@ def test_a_stop_before_the_first_validation_leaves_no_last_v1(world, uninterrupt
     assert step == 6 and all(torch.equal(state[k], v) for k, v in uninterrupted.items())
 
 
+def test_last_ckpt_follows_every_validation(world, tmp_path):
+    """Lightning wrote "last" only at the validations that also saved a new best checkpoint, so a crash lost
+    every step since the last improvement. After each validation last.ckpt now holds that step."""
+    from mega_suite.config import load_config
+    from mega_suite.training.runner import run
+
+    seen = []
+
+    class Check(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step and trainer.global_step % 2 == 0:  # a validation ran after this step
+                last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
+                seen.append((trainer.global_step, _state(last)[1]))
+
+    # monitor val/loss for a maximum: an improvement now and then, not at every validation
+    cfg = load_config([*world.debug, f"run_root={tmp_path}", "trainer.max_steps=9", "trainer.val_check_interval=2",
+                       "monitor=val/loss", "monitor_mode=max"])  # fmt: skip
+    run(cfg, extra_callbacks=[Check()])
+    assert [step for step, _ in seen] == [2, 4, 6, 8] and all(a == b for a, b in seen), seen
+
+
 def test_optim_given_with_resume_is_applied_and_logged(world, capsys, tmp_path):
     """resume=auto optim.lr=... trained on at the old rate while config.resumed-*.yaml recorded the new one.
     Now the new peak lr (and betas, eps, weight decay) is set on the restored optimizer and schedule, and
@@ -432,6 +453,18 @@ def test_a_save_a_kill_left_behind_is_removed_and_a_truncated_last_is_skipped(wo
     assert "removed last.ckpt.tmp (1.0 MiB)" in out
     assert "skipped last.ckpt: truncated" in out and "resuming from last.ckpt.prev (step 2)" in out
     assert _state(last)[1] == 3 and not list((killed / "checkpoints").glob("*.tmp"))
+
+
+def test_a_kjv_book_replaced_after_tokenisation_is_read_again(world, capsys, tmp_path):
+    """The token cache hid a changed source: a KJV book replaced with garbage after the first tokenisation
+    trained on the old tokens with exit 0. Now the cache is rebuilt and the garbage is one error line naming
+    the book (after the interrupted progress bar, on a line of its own), with no run directory."""
+    data = tmp_path / "kjv-copy"
+    shutil.copytree(world.kjv, data)
+    book = sorted((data / "kjv" / "train").glob("*.txt"))[3]
+    book.write_bytes(os.urandom(3000) + b"\xff")
+    argv = [*TINY_KJV_LM, f"data.data_dir={data}", f"run_root={tmp_path / 'runs'}", "trainer.max_steps=1"]
+    refused(capsys, argv, f"kjv/train/{book.name}", "not valid UTF-8", watch=(tmp_path / "runs",))
 
 
 def test_kjv_with_a_read_only_data_directory_trains_from_the_user_cache(world, capsys, tmp_path, monkeypatch):
