@@ -92,7 +92,9 @@ class SuiteCheckpoint(ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
         # Lightning writes "last" only at a step that also saved a best checkpoint: last.ckpt would lag behind
         # every validation that did not improve on the best (a crash then loses those steps).
-        if not self._should_skip_saving_checkpoint(trainer) and not self._should_save_on_train_epoch_end(trainer):
+        if not self._should_skip_saving_checkpoint(trainer) and not self._should_save_on_train_epoch_end(
+            trainer
+        ):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
