@@ -262,7 +262,11 @@ class LogLines(L.Callback):
         self._t0, self._step0 = time.monotonic(), trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        # the logged loss (the global batch's mean under every strategy), not the one back-propagated (rank 0's
+        # share: under chunk parallelism P times its slice's)
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(float(loss.detach()))
         step = trainer.global_step
