@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
             print(f"  {name:24s} {description}")
         return 0
     from datamodules import DataError
+    from mega_suite.training.errors import CheckpointSaveError, NonFiniteLossError
 
     try:
         cfg = load_config(argv)
@@ -46,14 +47,13 @@ def main(argv: list[str]) -> int:
 
             print(plan(cfg))
             return 0
-        from mega_suite.training.module import NonFiniteLossError
         from mega_suite.training.runner import run
 
         try:
             metrics = run(cfg)
-        except NonFiniteLossError:  # the runner printed it; the last good checkpoint is kept
+        except NonFiniteLossError:  # the runner printed it, with the checkpoint kept (if any)
             return 3
-    except (ConfigError, DataError, FileNotFoundError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, CheckpointSaveError) as exc:
         # Lightning re-raises the original exception from fit/validate/test (after its own teardown).
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2

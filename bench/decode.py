@@ -222,14 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     base = create_model("megalodon_cpu_bench").eval()
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt))
     numel = sum(p.numel() for p in base.parameters())
-    mkldnn = decode.mkldnn_available(torch.device("cpu"))
+    mkldnn = lambda dtype: decode.mkldnn_available(torch.device("cpu"), dtype)  # noqa: E731  (bf16: AVX-512)
     cannot = [
-        name for name, _, gemv, compiled, _ in PATHS
-        if name in chosen and ((gemv == "mkldnn" and not mkldnn) or (compiled and args.no_compile))
+        name for name, dtype, gemv, compiled, _ in PATHS
+        if name in chosen and ((gemv == "mkldnn" and not mkldnn(dtype)) or (compiled and args.no_compile))
     ]  # fmt: skip
     if args.paths is not None and cannot:
-        sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable, or --no-compile given)")
-    paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn) and p[0] in chosen]
+        sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable for it, or --no-compile given)")
+    paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn(p[1])) and p[0] in chosen]
     segment = lambda tokens, cache: base(tokens, cache, use_cache=True)  # noqa: E731  (the model's own pass)
     streams = {"segment": Stream(segment, prompt)} if "segment" in chosen else {}
     for name, dtype, gemv, compiled, kv_dtype in paths:

@@ -35,6 +35,13 @@ def set_data_parallel(rank: int, size: int) -> None:
     _DATA_PARALLEL = (rank, size)
 
 
+def reset_data_parallel() -> None:
+    """Forget ``set_data_parallel``'s declaration: the next run in this process (a notebook, a test) reads the
+    world's ranks unless its strategy declares its own."""
+    global _DATA_PARALLEL
+    _DATA_PARALLEL = None
+
+
 def declared_data_parallel() -> tuple[int, int] | None:
     """``set_data_parallel``'s (rank, size), or None when the data-parallel ranks are the world's."""
     return _DATA_PARALLEL
@@ -325,6 +332,19 @@ def is_writable(path: str | os.PathLike) -> bool:
     while not path.exists() and path != path.parent:
         path = path.parent
     return os.access(path, os.W_OK)
+
+
+def source_signature(files: Sequence[str | os.PathLike], root: str | os.PathLike) -> str:
+    """What a cache was built from, in 32 hex digits: each source file's path relative to ``root``, its size
+    and its modification time (ns). A changed, added, removed or renamed file changes it; so does a copy
+    that does not keep the times (a rebuild, never a stale read). Cheap: one ``stat`` per file, where hashing
+    the contents (PG-19: 11 GB) at every start would not be."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(Path(p) for p in files):
+        st = path.stat()
+        digest.update(f"{path.relative_to(root)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
 
 
 def cache_dir_for(data_dir: str | os.PathLike, name: str, cache_dir: str | os.PathLike | None = None) -> Path:

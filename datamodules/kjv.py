@@ -17,8 +17,10 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from datamodules.common import cache_dir_for, is_writable
 from datamodules.errors import DataError
-from datamodules.pg19 import PG19DataModule
+from datamodules.pg19 import SPLIT_DIRS, PG19DataModule
+from datamodules.text_lm import MissingDataError
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "corpora" / "kjv"
 ARCHIVE = CORPUS_DIR / "kjv.tar.xz"
@@ -37,13 +39,19 @@ def archive_digest(path: Path = ARCHIVE) -> str:
 
 def unpack(data_dir: Path, archive: Path = ARCHIVE) -> Path:
     """``<data_dir>/kjv`` from ``archive`` unless it is already there (unpacked by us from this archive, or
-    the user's own copy); returns it. Unpacks beside the target and renames, so a concurrent or interrupted
-    unpack never leaves a partial corpus under the real name."""
+    the user's own copy); returns it. Where ``data_dir`` is read-only and holds no ``kjv/``, the corpus is
+    unpacked into the per-user cache instead (``common.cache_dir_for``). Unpacks beside the target and
+    renames, so a concurrent or interrupted unpack never leaves a partial corpus under the real name."""
     root = data_dir / "kjv"
     digest = archive_digest(archive)
     stamp = root / STAMP
     if root.is_dir() and (not stamp.is_file() or stamp.read_text().strip() == digest):
         return root
+    if not root.is_dir() and not is_writable(data_dir):
+        data_dir = cache_dir_for(data_dir, "kjv_corpus")
+        root, stamp = data_dir / "kjv", data_dir / "kjv" / STAMP
+        if root.is_dir() and stamp.is_file() and stamp.read_text().strip() == digest:
+            return root
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = data_dir / f"kjv.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -69,6 +77,8 @@ def unpack(data_dir: Path, archive: Path = ARCHIVE) -> Path:
 class KJVDataModule(PG19DataModule):
     """PG-19 machinery over ``<data_dir>/kjv`` (unpacked from the committed archive when absent)."""
 
+    cache_name = "kjv"
+
     def __init__(
         self,
         data_dir: str,
@@ -85,7 +95,8 @@ class KJVDataModule(PG19DataModule):
         cache_dir: str | None = None,
     ):
         """Arguments as :class:`PG19DataModule`'s; ``tokenizer_path`` defaults to the committed model (None
-        trains one of ``vocab_size`` on the training books), ``cache_dir`` to ``<data_dir>/cache/kjv``."""
+        trains one of ``vocab_size`` on the training books), ``cache_dir`` to ``<data_dir>/cache/kjv`` (or the
+        per-user cache when the data directory is read-only)."""
         super().__init__(
             data_dir,
             batch_size=batch_size,
@@ -98,13 +109,23 @@ class KJVDataModule(PG19DataModule):
             spm_model_type=spm_model_type,
             byte_fallback=byte_fallback,
             spm_input_sentence_size=spm_input_sentence_size,
-            cache_dir=cache_dir or str(Path(data_dir) / "cache" / "kjv"),
+            cache_dir=cache_dir,
         )
         self.root = self.data_dir / "kjv"
 
     def _check_layout(self) -> None:
-        unpack(self.data_dir)
-        super()._check_layout()
+        self.root = unpack(self.data_dir)
+        try:
+            super()._check_layout()
+        except MissingDataError:
+            missing = [d for d in SPLIT_DIRS.values() if not (self.root / d).is_dir() or not any(
+                (self.root / d).glob("*.txt"))]  # fmt: skip
+            raise MissingDataError(
+                f"data.data_dir={self.data_dir}: {self.root} holds no King James Bible (no books in "
+                f"{', '.join(missing)}), and the suite unpacks corpora/kjv/kjv.tar.xz only where kjv/ is "
+                f"absent: remove the folder {self.root} to have it unpacked there, or point data.data_dir at "
+                "the folder that holds the corpus's kjv/"
+            ) from None
 
     @property
     def token_dir(self) -> Path:

@@ -22,7 +22,10 @@ mid-way counts the words of its scored part); ``num_words[split]`` is the whole 
 
 Training batches resume mid-epoch exactly (a :class:`ResumableSampler` order saved in Lightning
 checkpoints). The trained tokenizer samples its sentences with a fixed seed, not the training ``seed``, so
-every run of a study shares it. Caches go to ``cache_dir``, else ``<data_dir>/cache/pg19`` when writable,
+every run of a study shares it. The caches follow the books: each records the signature of the books it was
+built from (path, size and modification time of every book: ``common.source_signature``), and a changed,
+added or removed book trains the tokenizer again (training books) and tokenises the splits again. Caches go
+to ``cache_dir``, else ``<data_dir>/cache/pg19`` when writable,
 else a per-user cache (:func:`~datamodules.common.cache_dir_for`). A book that is empty or not UTF-8,
 an empty split folder or a missing tokenizer raises a :class:`~datamodules.DataError` at set-up.
 """
@@ -41,7 +44,7 @@ import sentencepiece as spm
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from datamodules.common import cache_dir_for
+from datamodules.common import cache_dir_for, source_signature
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -55,6 +58,7 @@ from datamodules.text_lm import (
     packed_train_loader,
     token_dtype,
     write_json_atomic,
+    write_text_atomic,
 )
 
 SPLIT_DIRS = {"train": "train", "val": "validation", "test": "test"}
@@ -63,7 +67,7 @@ _ENCODE_BATCH = 32  # books handed to SentencePiece's multi-threaded encoder at 
 _TOKENIZER_SEED = (
     0  # SentencePiece's sentence sample: fixed, so the tokenizer never follows the training seed
 )
-_CACHE_FORMAT = 2  # 2: per-token word ends for the evaluation splits
+_CACHE_FORMAT = 3  # 2: per-token word ends for the evaluation splits; 3: the books' signature (sources)
 
 
 def book_files(folder: Path) -> list[Path]:
@@ -101,6 +105,7 @@ class PG19DataModule(L.LightningDataModule):
 
     task = "lm"  # the data contract (config checks it against task and model.*)
     input_type = "token"
+    cache_name = "pg19"  # <data_dir>/cache/<cache_name> (or the per-user cache) unless cache_dir is given
 
     def __init__(
         self,
@@ -134,7 +139,7 @@ class PG19DataModule(L.LightningDataModule):
         super().__init__()
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "pg19"
-        self.cache_dir = cache_dir_for(self.data_dir, "pg19", cache_dir or None)
+        self.cache_dir = cache_dir_for(self.data_dir, self.cache_name, cache_dir or None)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -169,6 +174,12 @@ class PG19DataModule(L.LightningDataModule):
         o = self.spm_options
         return self.cache_dir / f"spm_{o['model_type']}_{o['vocab_size']}.model"
 
+    def sources(self, splits: tuple[str, ...] | None = None) -> str:
+        """The signature of the books (of ``splits``, default all) the caches are built from
+        (``common.source_signature``): a changed, added or removed book rebuilds them."""
+        splits = tuple(SPLIT_DIRS.values()) if splits is None else splits
+        return source_signature([p for d in splits for p in book_files(self.root / d)], self.root)
+
     @property
     def tokenizer(self) -> spm.SentencePieceProcessor:
         """The SentencePiece processor; trained on the training books (once, then cached) if none was given."""
@@ -182,8 +193,16 @@ class PG19DataModule(L.LightningDataModule):
                     )
             else:
                 path = self._trained_model_path()
-                if not path.is_file():
+                self._check_layout()
+                books = self.sources(("train",))
+                stamp = path.with_suffix(".sources")  # the training books it was trained on
+                if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != books:
+                    if path.is_file():
+                        print(
+                            f"[mega-suite] {self.root}/train changed since {path.name} was trained: training it again"
+                        )
                     self._train_tokenizer(path)
+                    write_text_atomic(stamp, books + "\n")
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
             if self._sp.bos_id() < 0 or self._sp.eos_id() < 0:
                 raise DataError(
@@ -208,13 +227,18 @@ class PG19DataModule(L.LightningDataModule):
         errors: list[DataError] = []
 
         def lines() -> Iterator[str]:
-            for book in tqdm(book_files(self.root / "train"), desc="pg19 tokenizer training", mininterval=2):
-                try:
-                    text = read_book(book)
-                except DataError as exc:  # SentencePiece turns it into a RuntimeError: keep it to re-raise
-                    errors.append(exc)
-                    raise
-                yield from (line for line in map(str.strip, text.splitlines()) if line)
+            books = book_files(self.root / "train")
+            # closed on an error too, so that the error line starts a line of its own
+            with tqdm(books, desc=f"{self.cache_name} tokenizer training", mininterval=2) as bar:
+                for book in bar:
+                    try:
+                        text = read_book(book)
+                    except (
+                        DataError
+                    ) as exc:  # SentencePiece turns it into a RuntimeError: keep it to re-raise
+                        errors.append(exc)
+                        raise
+                    yield from (line for line in map(str.strip, text.splitlines()) if line)
 
         try:
             self._run_trainer(lines(), prefix)
@@ -258,9 +282,16 @@ class PG19DataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Trains the tokenizer if needed and tokenises the three splits once (idempotent)."""
         self._check_layout()
+        sources = self.sources()
         meta_path = self.token_dir / "meta.json"
-        if meta_path.is_file() and json.loads(meta_path.read_text()).get("format") == _CACHE_FORMAT:
-            return
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("format") == _CACHE_FORMAT and meta.get("sources") == sources:
+                return
+            if meta.get("format") == _CACHE_FORMAT:
+                print(
+                    f"[mega-suite] the books under {self.root} changed since {self.token_dir} was built: re-tokenising"
+                )
         sp = self.tokenizer
         dtype = token_dtype(sp.get_piece_size())
         num_words = {}
@@ -269,8 +300,15 @@ class PG19DataModule(L.LightningDataModule):
             offsets = [0]
             words = 0
             ends: list[np.ndarray] = []  # per token of the evaluation splits: words ending there
-            with TokenFileWriter(self.token_dir / f"{split}.bin", dtype) as writer:
-                bar = tqdm(total=len(files), desc=f"tokenising pg19 {split}", unit=" books", mininterval=2)
+            with (
+                TokenFileWriter(self.token_dir / f"{split}.bin", dtype) as writer,
+                tqdm(
+                    total=len(files),
+                    desc=f"tokenising {self.cache_name} {split}",
+                    unit=" books",
+                    mininterval=2,
+                ) as bar,
+            ):
                 for i in range(0, len(files), _ENCODE_BATCH):
                     texts = [read_book(p) for p in files[i : i + _ENCODE_BATCH]]
                     words += sum(len(t.split()) for t in texts)
@@ -286,7 +324,6 @@ class PG19DataModule(L.LightningDataModule):
                         writer.write(np.asarray([sp.bos_id(), *ids, sp.eos_id()], dtype=np.int64))
                         offsets.append(writer.num_tokens)
                     bar.update(len(texts))
-                bar.close()
             if split != "train":
                 counts = np.concatenate(ends)
                 assert counts.sum() == words and len(counts) == offsets[-1]
@@ -300,6 +337,7 @@ class PG19DataModule(L.LightningDataModule):
             meta_path,
             {
                 "format": _CACHE_FORMAT,
+                "sources": sources,
                 "vocab_size": sp.get_piece_size(),
                 "dtype": dtype.name,
                 "num_words": num_words,

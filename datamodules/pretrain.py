@@ -361,40 +361,40 @@ class PretrainDataModule(L.LightningDataModule):
             return
         tok = self.tokenizer
         dtype = token_dtype(tok.vocab_size)
-        bar = tqdm(desc="tokenising pretraining corpus", unit=" docs", mininterval=2)
-        for path in todo:
-            key = self._shard_key(path)
-            counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
-            with (
-                TokenFileWriter(self.token_dir / f"{key}.train.bin", dtype) as train,
-                TokenFileWriter(self.token_dir / f"{key}.val.bin", dtype) as val,
-            ):
-                writers = {"train": train, "val": val}
-                batch: list[str] = []
-                for text in itertools.chain(_documents(path, self.text_field), [None]):  # None: flush
-                    if text is not None:
-                        batch.append(text)
-                    if len(batch) < _ENCODE_BATCH and text is not None:
-                        continue
-                    held = [held_out(text, self.split_seed, self.val_fraction) for text in batch]
-                    for ids, is_val in zip(tok.encode_batch(batch), held):
-                        split = "val" if is_val else "train"
-                        writers[split].write(np.asarray([tok.bos_id, *ids, tok.eos_id], dtype=np.int64))
-                        counts[split][0] += 1
-                    bar.update(len(batch))
-                    batch = []
-                for split in counts:
-                    counts[split][1] = writers[split].num_tokens
-            write_json_atomic(
-                self.token_dir / f"{key}.json",
-                {
-                    "source": str(path),
-                    "dtype": dtype.name,
-                    "documents": {s: c[0] for s, c in counts.items()},
-                    "tokens": {s: c[1] for s, c in counts.items()},
-                },
-            )
-        bar.close()
+        # the bar is closed on an error too, so that the error line starts a line of its own
+        with tqdm(desc="tokenising pretraining corpus", unit=" docs", mininterval=2) as bar:
+            for path in todo:
+                key = self._shard_key(path)
+                counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+                with (
+                    TokenFileWriter(self.token_dir / f"{key}.train.bin", dtype) as train,
+                    TokenFileWriter(self.token_dir / f"{key}.val.bin", dtype) as val,
+                ):
+                    writers = {"train": train, "val": val}
+                    batch: list[str] = []
+                    for text in itertools.chain(_documents(path, self.text_field), [None]):  # None: flush
+                        if text is not None:
+                            batch.append(text)
+                        if len(batch) < _ENCODE_BATCH and text is not None:
+                            continue
+                        held = [held_out(text, self.split_seed, self.val_fraction) for text in batch]
+                        for ids, is_val in zip(tok.encode_batch(batch), held):
+                            split = "val" if is_val else "train"
+                            writers[split].write(np.asarray([tok.bos_id, *ids, tok.eos_id], dtype=np.int64))
+                            counts[split][0] += 1
+                        bar.update(len(batch))
+                        batch = []
+                    for split in counts:
+                        counts[split][1] = writers[split].num_tokens
+                write_json_atomic(
+                    self.token_dir / f"{key}.json",
+                    {
+                        "source": str(path),
+                        "dtype": dtype.name,
+                        "documents": {s: c[0] for s, c in counts.items()},
+                        "tokens": {s: c[1] for s, c in counts.items()},
+                    },
+                )
 
     # ------------------------------------------------------------------ Lightning
     def setup(self, stage: str | None = None) -> None:

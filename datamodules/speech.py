@@ -13,7 +13,8 @@ scalar each, as S4).
 Decoding happens once: ``<cache_dir>/waveforms.npy`` (int16 ``[N, 16000]``, memory-mapped) and
 ``labels.npy`` (int64 ``[N]``), plus ``split<split_seed>.npz`` with the split indices and the training
 statistics; ``cache_dir`` defaults to ``<data_dir>/cache/speech_commands_sc10``, or to a user cache when the
-data directory is read-only (``common.cache_dir_for``). Batches: ``{"input": [B, 16000] float32, "padding_mask": [B, 16000] bool (all False: every clip
+data directory is read-only (``common.cache_dir_for``). The cache records the signature of the clips it was
+decoded from (``common.source_signature``): a changed, added or removed clip decodes them again. Batches: ``{"input": [B, 16000] float32, "padding_mask": [B, 16000] bool (all False: every clip
 is full length), "label": [B] int64}``.
 """
 
@@ -31,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from datamodules.common import ResumableDataLoader, ResumableSampler, cache_dir_for
+from datamodules.common import ResumableDataLoader, ResumableSampler, cache_dir_for, source_signature
 from datamodules.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,18 @@ class SpeechCommandsDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Decodes the SC10 clips, then splits them for ``split_seed``, each once (idempotent; run on one
-        process per node)."""
-        if not (self.cache_dir / "meta.json").is_file():
-            self._decode()
+        process per node); again when a clip was changed, added or removed since."""
+        meta_path = self.cache_dir / "meta.json"
+        sources = source_signature([p for p, _ in self._wav_files()], self.root)
+        if meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") != sources:
+            print(
+                f"[mega-suite] the clips under {self.root} changed since {self.cache_dir} was built: decoding again"
+            )
+            meta_path.unlink()
+            for split in self.cache_dir.glob("split*.npz"):  # computed from the clips decoded before
+                split.unlink()
+        if not meta_path.is_file():
+            self._decode(sources)
         self._split(np.load(self.cache_dir / "labels.npy"))
 
     @staticmethod
@@ -170,7 +180,7 @@ class SpeechCommandsDataModule(L.LightningDataModule):
             )
         return info.frames
 
-    def _decode(self) -> None:
+    def _decode(self, sources: str) -> None:
         files = self._wav_files()
         # Headers first (cheap), so the memory-mapped output can be allocated at its final size.
         keep = [(p, y) for p, y in files if self._frames(p) == CLIP_SAMPLES]
@@ -179,23 +189,27 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_dir / f"waveforms.tmp{os.getpid()}.npy"
         waves = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int16, shape=(len(keep), CLIP_SAMPLES))
-        for i, (path, _) in enumerate(tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips")):
-            try:
-                audio, rate = soundfile.read(str(path), dtype="int16")
-            except (RuntimeError, soundfile.LibsndfileError) as e:
-                raise DataError(f"{path} is not a readable WAV file ({e}); expected 16 kHz mono") from None
-            if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
-                raise DataError(
-                    f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
-                    f"{CLIP_SAMPLES} samples as its header says"
-                )
-            waves[i] = audio
+        # the bar is closed on an error too, so that the error line starts a line of its own
+        with tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips") as bar:
+            for i, (path, _) in enumerate(bar):
+                try:
+                    audio, rate = soundfile.read(str(path), dtype="int16")
+                except (RuntimeError, soundfile.LibsndfileError) as e:
+                    raise DataError(
+                        f"{path} is not a readable WAV file ({e}); expected 16 kHz mono"
+                    ) from None
+                if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
+                    raise DataError(
+                        f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
+                        f"{CLIP_SAMPLES} samples as its header says"
+                    )
+                waves[i] = audio
         waves.flush()
         del waves
         np.save(self.cache_dir / "labels.npy", np.asarray([y for _, y in keep], dtype=np.int64))
         os.replace(tmp, self.cache_dir / "waveforms.npy")
         (self.cache_dir / "files.txt").write_text("".join(f"{p.relative_to(self.root)}\n" for p, _ in keep))
-        meta = {"clips": len(keep), "scanned": len(files), "words": list(SC10_WORDS)}
+        meta = {"clips": len(keep), "scanned": len(files), "words": list(SC10_WORDS), "sources": sources}
         (self.cache_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
     def _split(self, labels: np.ndarray) -> dict:

@@ -114,10 +114,15 @@ class TokenFileWriter:
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
     """Writes ``obj`` as JSON under a temporary name, then renames it: readers see all of it or nothing."""
+    write_text_atomic(path, json.dumps(obj, indent=1))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` under a temporary name, then renames it: readers see all of it or nothing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

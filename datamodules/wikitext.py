@@ -19,7 +19,8 @@ is its target count and ``ppl = exp(NLL of the scored tokens / number of scored 
 
 Training batches resume mid-epoch exactly (fixed length: a :class:`ResumableSampler` order; variable length:
 each batch drawn from ``(seed, epoch, batch index)``), their position saved in Lightning checkpoints.
-Caches go to ``cache_dir``, else ``<data_dir>/cache/wikitext-103`` when writable, else a per-user cache
+The cache records the signature of the three files it was built from (``common.source_signature``): a changed
+file builds it again. Caches go to ``cache_dir``, else ``<data_dir>/cache/wikitext-103`` when writable, else a per-user cache
 (:func:`~datamodules.common.cache_dir_for`). Unreadable input (not UTF-8, an empty split file) raises a
 :class:`~datamodules.DataError` naming the file at set-up.
 """
@@ -37,7 +38,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from datamodules.common import cache_dir_for
+from datamodules.common import cache_dir_for, source_signature
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -71,8 +72,8 @@ def read_lines(path: str | os.PathLike, desc: str) -> Iterator[str]:
             f"{path} is empty: expected WikiText-103 text (one paragraph per line); re-download it"
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            yield from tqdm(f, desc=desc, unit=" lines", mininterval=2)
+        with open(path, encoding="utf-8") as f, tqdm(f, desc=desc, unit=" lines", mininterval=2) as bar:
+            yield from bar
     except UnicodeDecodeError:
         with open(path, "rb") as f:  # find the line for the message
             for number, raw in enumerate(f, 1):
@@ -156,8 +157,23 @@ class WikiText103DataModule(L.LightningDataModule):
     def _token_file(self, split: str) -> Path:
         return self.cache_dir / f"{split}.bin"
 
+    def _drop_stale_cache(self) -> str:
+        """The three token files' signature (``common.source_signature``); a cache built from other files (or
+        before it was recorded) is removed, so that a changed split is read again."""
+        sources = source_signature([self.root / n for n in SPLIT_FILES.values()], self.root)
+        meta_path = self.cache_dir / "meta.json"
+        if meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") != sources:
+            print(f"[mega-suite] {self.root} changed since {self.cache_dir} was built: building it again")
+            for name in ("meta.json", "vocab.txt"):
+                (self.cache_dir / name).unlink(missing_ok=True)
+            self._vocab = None
+        return sources
+
     def prepare_data(self) -> None:
-        """Builds the vocabulary and the token files once (idempotent; run on one process per node)."""
+        """Builds the vocabulary and the token files once (idempotent; run on one process per node), again
+        when a split file changed since."""
+        self._check_layout()
+        sources = self._drop_stale_cache()
         vocab = self.vocabulary
         meta_path = self.cache_dir / "meta.json"
         if meta_path.is_file():
@@ -178,7 +194,10 @@ class WikiText103DataModule(L.LightningDataModule):
                         buffer.clear()
                 writer.write(np.asarray(buffer, dtype=np.int64))
             num_words[split] = writer.num_tokens
-        write_json_atomic(meta_path, {"vocab_size": len(vocab), "dtype": dtype.name, "num_words": num_words})
+        write_json_atomic(
+            meta_path,
+            {"sources": sources, "vocab_size": len(vocab), "dtype": dtype.name, "num_words": num_words},
+        )
 
     @property
     def vocabulary(self) -> list[str]:

@@ -3,7 +3,7 @@ that a mistake is one clear error before anything is created (docs/configuration
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mega_suite.config.after import validate_after
 from mega_suite.config.resolve import (
@@ -20,6 +20,7 @@ from mega_suite.config.schema import (
     COMPILE_MODES,
     CUDAGRAPH_MODES,
     FLOAT32_MATMUL_PRECISIONS,
+    RANGES,
     ConfigError,
 )
 
@@ -29,12 +30,7 @@ def validate(cfg: DictConfig, user_classes: int | None = None) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is invalid; expected one of {', '.join(map(str, choices))}")
-    for key in ("data.batch_size", "trainer.max_steps", "trainer.accumulate_grad_batches"):
-        value = OmegaConf.select(cfg, key)
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    check_ranges(cfg)
     _validate_data(cfg, user_classes)
     _validate_mode(cfg)
     validate_after(cfg)  # generate / lm_eval / passkey and periodic checkpoints
@@ -43,6 +39,18 @@ def validate(cfg: DictConfig, user_classes: int | None = None) -> None:
         model_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every key of ``RANGES`` (schema.py) within its declared domain: one error naming the key, the value and
+    what was expected."""
+    for key, domain in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        problem = domain.problem(value)
+        if problem is not None:
+            raise ConfigError(f"{key}={value!r} is out of range; expected {problem}")
 
 
 def _validate_data(cfg: DictConfig, user_classes: int | None) -> None:

@@ -3,6 +3,7 @@ domain of every bounded key declared beside it (docs/configuration.md)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,4 +182,176 @@ CHOICES = {
     "trainer.strategy": ("auto", "ddp", "fsdp", "hsdp"),
     "trainer.chunk_parallel_mode": ("parallel", "sequential"),
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "64-true", "64"),
+    "trainer.accelerator": ("auto", "cpu", "gpu", "cuda"),
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The domain of every bounded key, checked at load (config.checks) before anything is created
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The values a numeric key accepts: bounds (closed, or open with ``*_open``), whole numbers only
+    (``integer``), always finite, plus the values in ``also`` (a sentinel such as -1, None or "auto").
+    ``each``: the key is a list whose every element must lie in the domain (``length``: how many)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    also: tuple = ()
+    each: bool = False
+    length: int | None = None
+
+    def expected(self) -> str:
+        kind = "a whole number" if self.integer else "a finite number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"{kind} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.high is not None:
+            text = f"{kind} {'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            text = kind
+        if self.also:
+            text += " or " + " or ".join(repr(v) if isinstance(v, str) else str(v) for v in self.also)
+        if self.each:
+            text = f"a list of {self.length or 'any number of'} values, each {text}"
+        return text
+
+    def problem(self, value: Any) -> str | None:
+        """None when ``value`` lies in the domain, else what was expected."""
+        if self.each:
+            values = list(value) if isinstance(value, (list, tuple)) or hasattr(value, "__len__") else None
+            if values is None or isinstance(value, str):
+                return self.expected()
+            if self.length is not None and len(values) != self.length:
+                return self.expected()
+            return next((self.expected() for v in values if not self._holds(v)), None)
+        return None if self._holds(value) else self.expected()
+
+    def _holds(self, value: Any) -> bool:
+        if any(value is v or (type(value) is type(v) and value == v) for v in self.also):
+            return True
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if not math.isfinite(value) or (self.integer and value != int(value)):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+class BatchLimit(Domain):
+    """``trainer.limit_*_batches``: a fraction of the batches in [0, 1], or a whole number of them."""
+
+    def expected(self) -> str:
+        return "a fraction in [0, 1] or a whole number of batches >= 1"
+
+    def _holds(self, value: Any) -> bool:
+        return Domain(0, 1)._holds(value) or Domain(1, integer=True)._holds(value)
+
+
+class Devices(Domain):
+    """``trainer.devices``: "auto", a count >= 1, or a list of device indices."""
+
+    def expected(self) -> str:
+        return "a number of devices >= 1, 'auto', or a list of distinct device indices >= 0"
+
+    def problem(self, value: Any) -> str | None:
+        if value == "auto" or Domain(1, integer=True)._holds(value):
+            return None
+        if isinstance(value, str) or not hasattr(value, "__len__"):
+            return self.expected()
+        values = list(value)
+        index = Domain(0, integer=True)
+        if values and len(set(values)) == len(values) and all(index._holds(v) for v in values):
+            return None
+        return self.expected()
+
+
+def at_least(low: int) -> Domain:
+    return Domain(low, integer=True)
+
+
+POSITIVE = Domain(0, low_open=True)  # finite and > 0
+NON_NEGATIVE = Domain(0)  # finite and >= 0
+PROBABILITY = Domain(0, 1, high_open=True)  # a dropout rate
+
+RANGES: dict[str, Domain] = {
+    "seed": Domain(0, 2**32 - 1, integer=True),  # numpy's and Lightning's seeds are unsigned 32-bit
+    "eval_max_documents": at_least(0),
+    "eval_context_lengths": Domain(1, integer=True, each=True),
+    # model.* (the architecture's own checks, e.g. divisibility, come after these)
+    "model.num_layers": at_least(1),
+    "model.model_dim": at_least(1),
+    "model.num_heads": at_least(1),
+    "model.z_dim": at_least(1),
+    "model.value_dim": at_least(1),
+    "model.ffn_hidden_dim": at_least(1),
+    "model.cema_ndim": at_least(1),
+    "model.norm_num_groups": at_least(1),
+    "model.chunk_size": at_least(1),
+    "model.norm_eps": POSITIVE,
+    "model.rope_base": POSITIVE,
+    "model.dropout": PROBABILITY,
+    "model.hidden_dropout": PROBABILITY,
+    "model.attention_dropout": PROBABILITY,
+    "model.drop_path": PROBABILITY,
+    "model.vocab_size": at_least(1),
+    "model.adaptive_cutoffs": Domain(
+        1, integer=True, each=True
+    ),  # increasing, < vocab_size: the model's check
+    "model.adaptive_factor": POSITIVE,
+    "model.num_classes": at_least(0),
+    "model.image_size": at_least(1),
+    "model.patch_size": at_least(1),
+    "model.in_chans": at_least(1),
+    # data.*
+    "data.batch_size": at_least(1),
+    "data.num_workers": at_least(0),
+    "data.max_length": Domain(1, integer=True, also=(None,)),
+    "data.pad_to_multiple": at_least(1),
+    # optim.*
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.betas": Domain(0, 1, high_open=True, each=True, length=2),
+    "optim.eps": POSITIVE,
+    "optim.warmup_steps": at_least(0),
+    "optim.min_lr_ratio": Domain(0, 1),
+    "optim.clip_grad_norm": NON_NEGATIVE,  # 0: no clipping
+    # trainer.*
+    "trainer.max_steps": at_least(1),
+    "trainer.max_epochs": Domain(1, integer=True, also=(-1,)),  # -1: bounded by max_steps only
+    "trainer.devices": Devices(),
+    "trainer.num_nodes": at_least(1),
+    "trainer.accumulate_grad_batches": at_least(1),
+    "trainer.global_batch_tokens": at_least(0),
+    "trainer.peak_tflops": NON_NEGATIVE,
+    "trainer.val_check_interval": at_least(1),
+    "trainer.limit_val_batches": BatchLimit(),
+    "trainer.limit_test_batches": BatchLimit(),
+    "trainer.log_every_n_steps": at_least(1),
+    "trainer.chunk_parallel": at_least(1),
+    "trainer.save_every_n_steps": at_least(0),  # 0: no periodic checkpoints
+    "trainer.keep_checkpoints": at_least(0),  # 0: keep every periodic checkpoint
+    # mode=generate
+    "max_new_tokens": at_least(1),
+    "temperature": NON_NEGATIVE,  # 0: greedy
+    "top_k": Domain(1, integer=True, also=(None,)),
+    "top_p": Domain(0, 1, low_open=True, also=(None,)),
+    # mode=lm_eval, mode=passkey
+    "lm_eval.num_fewshot": Domain(0, integer=True, also=(None,)),
+    "lm_eval.limit": Domain(0, low_open=True, also=(None,)),  # a count, or a fraction below 1
+    "lm_eval.max_gen_toks": at_least(1),
+    "passkey.samples": at_least(1),
+    "passkey.lengths": Domain(64, integer=True, each=True),
 }

@@ -3,6 +3,7 @@ stop, progress lines. Atomic checkpoint writes live in ``checkpoint.py``."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -12,6 +13,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor, TQDMProgressBar
+
+from mega_suite.training.saving import save_last
 
 
 class StepSeed(L.Callback):
@@ -102,11 +105,24 @@ def batch_size_in_tokens(batch: dict) -> tuple[int, int]:
     return tokens, samples
 
 
-class GracefulStop(L.Callback):
-    """First SIGTERM / Ctrl-C (on any rank): at the next optimizer-step boundary every rank saves ``last.ckpt``
-    together and the fit ends -- no validation or other work after the request. A second signal aborts.
+class StopRequested(Exception):
+    """A stop request ended the fit during validation, after saving at the last completed step."""
 
-    The ranks agree through an all-reduce (max) of the stop flag after every optimizer step, so a signal that
+
+class GracefulStop(L.Callback):
+    """First SIGTERM / Ctrl-C (on any rank): every rank saves ``last.ckpt`` together at the last completed
+    optimizer step and the fit ends -- no further step, validation or other work. A second signal aborts.
+
+    Where the request is seen:
+
+    - during a training step: at its end (after the optimizer step), which is saved;
+    - during validation: at the next validation batch; validation is abandoned and the checkpoint written is
+      the state after the last training step (its loop state as it was then, so that a resume continues
+      exactly; the abandoned validation is not repeated), then ``StopRequested`` ends the fit;
+    - during a checkpoint write: right after it (``after_save``, called by ``SuiteCheckpoint``), which stops
+      the run at that checkpoint's step.
+
+    The ranks agree through an all-reduce (max) of the stop flag at each of these points, so a signal that
     reaches one rank or all of them stops them at the same step; under gradient accumulation the check runs
     only when a window has ended (``global_step`` advanced), so no window's gradients are lost.
     """
@@ -114,8 +130,11 @@ class GracefulStop(L.Callback):
     def __init__(self, last_path: Path):
         self.last_path = Path(last_path)
         self.requested: str | None = None
+        self.stopping = False
         self._previous: dict[int, Any] = {}
         self._checked_step = -1
+        self._loops: dict | None = None  # the loop state at the end of the last optimizer step
+        self._use_loops = False  # the checkpoint being written is a stop during validation
 
     def _handler(self, signum, frame) -> None:
         if self.requested is not None:
@@ -126,9 +145,20 @@ class GracefulStop(L.Callback):
             return
         self.requested = signal.Signals(signum).name
         print(
-            f"\n[mega-suite] {self.requested} received: saving a checkpoint after this step, then stopping "
-            "(a second signal aborts)."
+            f"\n[mega-suite] {self.requested} received: saving a checkpoint at the last completed step, then "
+            "stopping (a second signal aborts).",
+            flush=True,
         )
+
+    def _agree(self, trainer, pl_module) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it at the same point)."""
+        stop = torch.tensor(float(self.requested is not None), device=pl_module.device)
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce(stop, reduce_op="max")
+        if stop.item() > 0:
+            self.requested = self.requested or "stop on another rank"
+            return True
+        return False
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Installed here, after Lightning registers its own SIGTERM handler (between on_fit_start and the fit
@@ -145,23 +175,56 @@ class GracefulStop(L.Callback):
         if trainer.global_step == self._checked_step:  # inside an accumulation window: no optimizer step yet
             return
         self._checked_step = trainer.global_step
-        stop = torch.tensor(float(self.requested is not None), device=pl_module.device)
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce(stop, reduce_op="max")
-        if stop.item() > 0:
-            self.requested = self.requested or "stop on another rank"
-            trainer.save_checkpoint(self.last_path)
+        self._loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+        if self._agree(trainer, pl_module):
+            self._stop(trainer, pl_module, save=True)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
+        if trainer.sanity_checking or trainer.state.fn != "fit" or self.stopping or self._loops is None:
+            return
+        if not self._agree(trainer, pl_module):
+            return
+        self._use_loops = True
+        try:
+            self._stop(trainer, pl_module, save=True)
+        finally:
+            self._use_loops = False
+        raise StopRequested(f"stopped during validation at step {trainer.global_step}")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self._use_loops and self._loops is not None:  # mid-validation: the state after the last step
+            checkpoint["loops"] = copy.deepcopy(self._loops)
+
+    def after_save(self, trainer, pl_module) -> None:
+        """Called after every checkpoint write (``SuiteCheckpoint``): a request that arrived during the write
+        stops the run at that checkpoint's step."""
+        if not self.stopping and trainer.state.fn == "fit" and self._agree(trainer, pl_module):
+            print(
+                f"[mega-suite] stop requested during a checkpoint write: stopping at step {trainer.global_step}"
+            )
+            self._stop(trainer, pl_module, save=False)
+
+    def _stop(self, trainer, pl_module, save: bool) -> None:
+        self.stopping = True
+        if save:
+            save_last(trainer, self.last_path)
             print(
                 f"[mega-suite] saved {self.last_path} at step {trainer.global_step}; resume with resume=auto"
             )
-            trainer.should_stop = True
-            # Lightning validates when should_stop is set (meant for early stopping): not after a stop request.
-            trainer.fit_loop.epoch_loop._should_check_val_fx = lambda *args, **kwargs: False
+        trainer.should_stop = True
+        # Lightning validates when should_stop is set (meant for early stopping): not after a stop request.
+        trainer.fit_loop.epoch_loop._should_check_val_fx = lambda *args, **kwargs: False
 
-    def on_fit_end(self, trainer, pl_module) -> None:
+    def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._restore_signals()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_signals()
 
 
 def _duration(seconds: float) -> str:
@@ -199,7 +262,11 @@ class LogLines(L.Callback):
         self._t0, self._step0 = time.monotonic(), trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        # the logged loss (the global batch's mean under every strategy), not the one back-propagated (rank 0's
+        # share: under chunk parallelism P times its slice's)
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(float(loss.detach()))
         step = trainer.global_step

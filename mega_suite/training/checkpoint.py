@@ -9,6 +9,8 @@ and fail loudly, naming every missing, unexpected or mis-shaped key.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from mega_suite.models.bundle import bundle_state, is_bundle
+from mega_suite.training.saving import save_error
 
 # Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules).
 _PREFIXES = ("_orig_mod.", "module.", "model.")
@@ -177,20 +180,40 @@ def consolidate(source, out) -> Path:
 # ----------------------------------------------------------------------------------------------------------
 
 
+PREVIOUS = ".prev"  # the checkpoint a save replaced, kept until the next save: one generation back
+
+
+def previous_of(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + PREVIOUS)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to ``<path>.tmp`` then rename: a kill during the save never leaves a corrupt checkpoint.
+    """Write to ``<path>.tmp``, then rename: a kill during the save never leaves a corrupt checkpoint. The
+    checkpoint it replaces stays as ``<path>.prev`` (one generation back: the fallback of ``resume=auto``
+    when the newest cannot be read). A failed write removes its ``.tmp`` and raises ``CheckpointSaveError``
+    (one line: which file, and why).
 
     Checkpoints hold only tensors and plain Python values, and load with ``weights_only=True``.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            keep_previous(path)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                remove_path(tmp)
+            if isinstance(exc, OSError):
+                raise save_error(path, exc) from None
+            if isinstance(exc, RuntimeError) and "No space left" in str(exc):  # torch's zip writer
+                raise save_error(path, OSError(errno.ENOSPC, "No space left on device")) from None
+            raise
 
     def load_checkpoint(self, path, map_location=None, **kwargs) -> dict[str, Any]:
         if not Path(path).exists():
@@ -198,21 +221,36 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
+def keep_previous(path: Path, move: bool = False) -> None:
+    """Before ``path`` is replaced: its current content becomes ``<path>.prev`` (a hard link where the file
+    system has them, so that ``path`` itself never disappears; a rename otherwise, or with ``move``)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    prev = previous_of(path)
+    remove_path(prev)
+    if path.is_file() and not move:
+        try:
+            os.link(path, prev)
+            return
+        except OSError:
+            pass
+    os.replace(path, prev)
+
+
 def replace_checkpoint(tmp: Path, path: Path) -> None:
     """Put the finished checkpoint ``tmp`` (file or sharded directory) at ``path``. A directory cannot be
-    replaced in one rename: the previous one moves to ``<path>.old`` first and is deleted only once ``tmp``
-    is in place, so a kill at any moment leaves ``path`` or ``<path>.old`` whole (``recover_checkpoint``)."""
+    replaced in one rename: the previous one moves to ``<path>.prev`` first (kept, one generation back), so
+    a kill at any moment leaves ``path`` or ``<path>.prev`` whole (``resume=auto`` falls back to it)."""
     tmp, path = Path(tmp), Path(path)
-    old = path.with_name(path.name + ".old")
-    remove_path(old)
-    if path.exists():
-        os.replace(path, old)
+    keep_previous(path, move=tmp.is_dir() or path.is_dir())
     os.replace(tmp, path)
-    remove_path(old)
 
 
 def recover_checkpoint(path: Path) -> Path:
-    """A save killed between ``replace_checkpoint``'s two renames left only ``<path>.old``: put it back."""
+    """A save killed between the two renames of an older ``replace_checkpoint`` left only ``<path>.old``:
+    put it back. (Now the previous one is ``<path>.prev``, which ``resume=auto`` reads where ``path`` is
+    missing.)"""
     path = Path(path)
     old = path.with_name(path.name + ".old")
     if not path.exists() and old.exists():

@@ -8,6 +8,7 @@ Validation runs on two loaders, [val, test], so the test metric at the best vali
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -23,16 +24,15 @@ from mega_suite.distributed.chunk_parallel import attach, global_mean_loss, slic
 from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, init_sharded, uses_model_parallel
 from mega_suite.models import build_model
 from mega_suite.training.checkpoint import load_full_weights
+from mega_suite.training.saving import NonFiniteLossError
+
+__all__ = ["CausalLM", "NonFiniteLossError", "SequenceClassifier", "SuiteModule", "build_module", "lr_lambda"]
 
 # Inductor options of ``trainer.compile`` on the CPU: a buffer read by several kernels is materialised once
 # rather than recomputed inside each (with the default, the compiled backward fused the attention's key /
 # value gradients and the RoPE backward into one scalar loop; bench/RESULTS.md, CPU training). Not used on GPUs.
 CPU_INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
 STAGES = ("val", "test")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/inf loss; the run stops and keeps its last good checkpoint."""
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
@@ -72,11 +72,13 @@ class SuiteModule(L.LightningModule):
         # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.distributed.fsdp)
         self.chunk_parallel = None
         self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
-        if meta_init:
-            with torch.device("meta"):
-                self.model = build_model(model_cfg)
-        else:
+        # One initialisation whatever the strategy: built on the meta device, materialised, seeded, then
+        # init_weights() -- at once here, or per shard in configure_model (init_sharded draws the same
+        # numbers), so that one seed gives the same initial model on one device, under DDP and FSDP2.
+        with torch.device("meta"):
             self.model = build_model(model_cfg)
+        if not meta_init:
+            self.materialize(sharded=False)
         self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))
 
     # ----------------------------------------------------------------- sharding
@@ -189,6 +191,63 @@ class SuiteModule(L.LightningModule):
                     step = state.get("step")
                     if torch.is_tensor(step):
                         state["step"] = step.to(device=param.device, dtype=torch.float32)
+        if self.trainer.ckpt_path:
+            for line in self.apply_optim_settings():
+                print(f"[mega-suite] resume: {line}", flush=True)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._resumed_config = (checkpoint.get("mega_suite") or {}).get("run_config")
+
+    def apply_optim_settings(self) -> list[str]:
+        """A resumed run gets the optimizer's param groups and the schedule's peak lr back as saved: the
+        configured ``optim.lr`` (the schedule's peak, ``base_lrs``; this step's lr follows the schedule),
+        ``betas``, ``eps`` and ``weight_decay`` are set again here, after the restore, so that what a resumed
+        run records is what it trains with. Returns one line per value that changed; the schedule's shape
+        and clipping (read from the configuration at every step) are listed when they differ from the
+        checkpoint's run."""
+        o, changed = self.optim_cfg, {}
+        decay = [o["weight_decay"], 0.0] if o.get("no_decay_groups") else None
+        for opt in self.trainer.optimizers:
+            schedulers = [
+                c.scheduler for c in self.trainer.lr_scheduler_configs if c.scheduler.optimizer is opt
+            ]
+            sched = schedulers[0] if schedulers else None
+            for g, group in enumerate(opt.param_groups):
+                peak = sched.base_lrs[g] if sched is not None else group.get("initial_lr", group["lr"])
+                if peak != o["lr"]:
+                    changed["optim.lr"] = (peak, o["lr"])
+                    factor = sched.lr_lambdas[g](sched.last_epoch) if sched is not None else 1.0
+                    if sched is not None:
+                        sched.base_lrs[g] = o["lr"]
+                    group["initial_lr"], group["lr"] = o["lr"], o["lr"] * factor
+                wanted = {
+                    "betas": tuple(o["betas"]),
+                    "eps": o["eps"],
+                    "weight_decay": o["weight_decay"] if decay is None else decay[min(g, 1)],
+                }
+                for key, value in wanted.items():
+                    if (tuple(group[key]) if key == "betas" else group[key]) != value:
+                        changed[f"optim.{key}"] = (group[key], value)
+                        group[key] = value
+            if sched is not None:
+                sched._last_lr = [group["lr"] for group in opt.param_groups]
+        lines = [f"{key} {old} -> {new} applied" for key, (old, new) in changed.items()]
+        if "optim.lr" in changed:
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            lines[list(changed).index("optim.lr")] += f" (the schedule's peak; this step's lr {lr:.4g})"
+        saved = getattr(self, "_resumed_config", None) or {}
+        for section, keys in (
+            ("optim", ("schedule", "warmup_steps", "min_lr_ratio", "clip_grad_norm", "implementation")),
+            ("trainer", ("max_steps",)),
+        ):
+            for key in keys:
+                old, new = (
+                    (saved.get(section) or {}).get(key),
+                    (o if section == "optim" else self.trainer_cfg).get(key),
+                )
+                if old is not None and new is not None and old != new:
+                    lines.append(f"{section}.{key} {old} -> {new} applied")
+        return lines
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip = self.optim_cfg["clip_grad_norm"]
@@ -204,9 +263,16 @@ class SuiteModule(L.LightningModule):
     def check_finite(self, loss: Tensor) -> None:
         if not torch.isfinite(loss.detach()).all():
             raise NonFiniteLossError(
-                f"non-finite training loss {loss.item()} at step {self.global_step}; stopping. The last good "
-                "checkpoint is kept in the run directory: lower optim.lr, enable clipping, or resume from it."
+                f"non-finite training loss {loss.item()} at step {self.global_step}; stopping."
             )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The run's configuration and the model's, so that a checkpoint can be checked against the model a
+        later run builds (``ckpt=``, ``init_from=``, ``resume=``) and its hyperparameters compared on resume."""
+        checkpoint["mega_suite"] = {
+            "run_config": getattr(self, "run_config", None),
+            "model": {"arch": type(self.model_cfg).__name__, **dataclasses.asdict(self.model_cfg)},
+        }
 
 
 class SequenceClassifier(SuiteModule):
@@ -263,7 +329,7 @@ class SequenceClassifier(SuiteModule):
         self.check_finite(loss)
         hard = label.argmax(-1) if label.dim() == 2 else label
         self.train_acc(logits, hard)
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/loss", loss, on_step=True, prog_bar=True, sync_dist=True)  # the global batch's mean
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return loss
 
@@ -316,28 +382,36 @@ class CausalLM(SuiteModule):
         cp = self.chunk_parallel
         if cp is None:
             nll, count = self.lm_loss(batch)
-            loss = logged = nll / count.clamp(min=1)
+            loss = nll / count.clamp(min=1)
         else:
-            loss, logged = self._chunk_parallel_loss(batch, cp)
+            loss, nll, count = self._chunk_parallel_loss(batch, cp)
+        logged = self._mean_over_ranks(nll.detach(), count)
         self.check_finite(logged)
         self.log("train/loss", logged, on_step=True, prog_bar=True)
         self.log("train/ppl", torch.exp(logged.detach().clamp(max=30)), on_step=True)
         return loss
 
-    def _chunk_parallel_loss(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
+    def _chunk_parallel_loss(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's chunk-aligned slice of the batch; the loss is the mean over the whole sequences.
 
         share_r = NLL_r / (tokens of the whole group), so sum_r share_r is the sequences' mean NLL. FSDP2
         averages gradients over all dp x P ranks, so each rank returns P * share_r: the average is then the
-        mean over the data-parallel replicas of the group sums. Returns (loss to back-propagate, logged mean).
+        mean over the data-parallel replicas of the group sums. Returns (loss to back-propagate, this slice's
+        NLL sum, its token count).
         """
-        import torch.distributed as dist
-
         nll, count = self.lm_loss(slice_batch(batch, cp.rank, cp.world, self.model.cfg.chunk_size))
         share = global_mean_loss(nll, count, cp)
-        mean = share.detach().clone()
-        dist.all_reduce(mean, group=cp.group)
-        return share * cp.world, mean
+        return share * cp.world, nll, count
+
+    def _mean_over_ranks(self, nll: Tensor, count: Tensor) -> Tensor:
+        """The logged training loss: the mean NLL over every token of the global batch (all ranks' slices and
+        replicas), the same number under every strategy; rank 0's own share of the batch otherwise."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1:
+            return nll / count.clamp(min=1)
+        total = torch.stack([nll.double(), count.double()])
+        total = trainer.strategy.reduce(total, reduce_op="sum")
+        return (total[0] / total[1].clamp(min=1)).to(nll.dtype)
 
     def _chunk_parallel_hidden(self, batch: dict[str, Tensor], cp) -> tuple[Tensor, Tensor]:
         """Evaluation of a [B, L] batch under chunk parallelism: this rank's chunk-aligned slice (the slices

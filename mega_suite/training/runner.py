@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from datamodules.common import reset_data_parallel
 from mega_suite.config import (
     ConfigError,
     to_yaml,
@@ -27,11 +28,13 @@ from mega_suite.evaluation.context import (
 )
 from mega_suite.models import arch_of
 from mega_suite.models.bundle import is_bundle
+from mega_suite.training import preflight
 from mega_suite.training.callbacks import (
     GracefulStop,
     LogLines,
     StepProgressBar,
     StepSeed,
+    StopRequested,
     TokenThroughput,
 )
 from mega_suite.training.checkpoint import (
@@ -39,11 +42,16 @@ from mega_suite.training.checkpoint import (
     is_lightning_checkpoint,
     is_sharded_checkpoint,
     load_reference_file,
-    recover_checkpoint,
 )
 from mega_suite.training.module import NonFiniteLossError, build_module
+from mega_suite.training.saving import SuiteCheckpoint, save_last
 from mega_suite.training.strategy import make_strategy
-from mega_suite.training.trained import periodic_checkpoint, run_after_training, save_run_tokenizer
+from mega_suite.training.trained import (
+    checkpoint_path,
+    periodic_checkpoint,
+    run_after_training,
+    save_run_tokenizer,
+)
 
 
 class ValWithTest(L.LightningDataModule):
@@ -110,48 +118,6 @@ class ValWithTest(L.LightningDataModule):
         self.inner.load_state_dict(state)
 
 
-def _latest_run(root: Path, recipe: str) -> Path | None:
-
-    runs = sorted(
-        p for p in (root / recipe).glob("*") if recover_checkpoint(p / "checkpoints" / "last.ckpt").exists()
-    )
-    return runs[-1] if runs else None
-
-
-def resolve_run(cfg: DictConfig) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from)."""
-    root = Path(cfg.run_root)
-    resume = cfg.resume
-    if resume in (None, "", "none"):
-        if cfg.run_dir:
-            return Path(cfg.run_dir), None
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run = root / cfg.recipe / stamp
-        n = 1
-        while run.exists():
-            run = root / cfg.recipe / f"{stamp}-{n}"
-            n += 1
-        return run, None
-    if resume == "auto":
-        run = Path(cfg.run_dir) if cfg.run_dir else _latest_run(root, cfg.recipe)
-        if run is not None:
-            recover_checkpoint(run / "checkpoints" / "last.ckpt")
-        if run is None or not (run / "checkpoints" / "last.ckpt").exists():
-            print(f"[mega-suite] resume=auto: no earlier run of {cfg.recipe!r} under {root}; starting fresh")
-            cfg.resume = None
-            return resolve_run(cfg)
-        return run, run / "checkpoints" / "last.ckpt"
-    path = Path(resume)
-    if path.is_dir():
-        ckpt = path / "checkpoints" / "last.ckpt"
-        if not ckpt.exists():
-            raise FileNotFoundError(f"resume={resume}: no checkpoints/last.ckpt in that run directory")
-        return path, ckpt
-    if path.is_file():
-        return path.parent.parent if path.parent.name == "checkpoints" else path.parent, path
-    raise FileNotFoundError(f"resume={resume!r}: expected 'auto', a run directory or a .ckpt file")
-
-
 def build_strategy(cfg: DictConfig):
     """auto | ddp | fsdp (FSDP2 over every rank: a 1-D mesh) | hsdp (shard in a node, replicate across nodes);
     the meshes are ``mega_suite.distributed.fsdp.build_mesh``'s."""
@@ -170,7 +136,7 @@ def build_strategy(cfg: DictConfig):
 
 
 def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = None) -> L.Trainer:
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
 
     cfg, t = plan.cfg, plan.cfg.trainer
@@ -178,7 +144,7 @@ def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = N
     # earlier run's choice
     torch.set_float32_matmul_precision(t.float32_matmul_precision)
     ckpt_dir = run_dir / "checkpoints"
-    checkpoint = ModelCheckpoint(
+    checkpoint = SuiteCheckpoint(  # the one writer of last.ckpt; only finite checkpoints (training.saving)
         dirpath=ckpt_dir,
         filename="best-step{step}",
         auto_insert_metric_name=False,
@@ -230,28 +196,45 @@ _RUN_ENV = "MEGA_SUITE_RUN"  # "run_dir<pathsep>resume_ckpt" of the launching ra
 
 
 def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
-    """Execute a resolved configuration. Returns the final metrics (and the run directory)."""
+    """Execute a resolved configuration. Returns the final metrics (and the run directory).
+
+    Everything a run reads or writes is checked before its directory is created (``preflight``): where it
+    goes, each checkpoint it reads (also against the model built once the data is prepared), the machine."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    reset_data_parallel()  # an earlier chunk-parallel run in this process declared its own data ranks
     # Lightning starts ranks 1.. of a multi-device run by re-running this command (its subprocess launcher):
-    # they take the run directory and checkpoint rank 0 resolved, passed down in the environment.
+    # they take the run directory and checkpoint rank 0 resolved (and checked), passed down in the environment.
     launched = os.environ.get(_RUN_ENV)
-    if launched and not cfg.run_dir:
+    if launched:
         run_dir_text, resume_text = launched.split(os.pathsep)
-        run_dir, resume_ckpt = Path(run_dir_text), Path(resume_text) if resume_text else None
+        target = preflight.RunTarget(Path(run_dir_text), fresh=False)
+        resume = preflight.read_checkpoint(resume_text, "resume") if resume_text else None
+        target.resume = resume
     else:
-        run_dir, resume_ckpt = resolve_run(cfg)
-        os.environ[_RUN_ENV] = f"{run_dir}{os.pathsep}{resume_ckpt or ''}"
+        target = preflight.resolve_run(cfg)
+        preflight.check_accelerator(cfg)
+        preflight.check_writable(target, cfg)
+    if cfg.mode in AFTER_MODES and cfg.ckpt:  # a run directory or bundle too: resolved as the modes read it
+        checkpoint_path(cfg.ckpt)
+    keys = ("init_from",) if cfg.mode in AFTER_MODES else ("ckpt", "init_from")
+    reads = {key: preflight.read_checkpoint(cfg[key], key) for key in keys if cfg[key]}
+    for key, info in reads.items():
+        preflight.check_config_match(info, cfg, key)
     try:
-        return _run_in(cfg, run_dir, resume_ckpt, bool(launched), extra_callbacks)
+        return _run_in(cfg, target, reads, bool(launched), extra_callbacks)
     finally:
         if not launched:
             os.environ.pop(_RUN_ENV, None)
 
 
-def _run_in(
-    cfg: DictConfig, run_dir: Path, resume_ckpt: Path | None, launched: bool, extra_callbacks: list | None
-) -> dict[str, Any]:
-    run_dir.mkdir(parents=True, exist_ok=True)
+def _start(cfg: DictConfig, target: preflight.RunTarget, launched: bool, resume_ckpt: Path | None) -> Path:
+    """Claim the run directory (rank 0) and write the resolved configuration into it."""
+    run_dir = target.run_dir
+    if not launched:
+        run_dir = preflight.claim_run_dir(target, cfg)
+        if target.resume is not None:
+            preflight.tidy_for_resume(target)
+        os.environ[_RUN_ENV] = f"{run_dir}{os.pathsep}{resume_ckpt or ''}"
     cfg.run_dir = str(run_dir)
     text = to_yaml(cfg)
     print(text)
@@ -259,18 +242,35 @@ def _run_in(
     if not launched:
         (run_dir / name).write_text(text)
     print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
-    if cfg.mode in AFTER_MODES:  # a trained model, no trainer: generate / lm_eval / passkey
-        return {**run_after_training(cfg, run_dir), "run_dir": str(run_dir)}
+    return run_dir
 
+
+def _run_in(
+    cfg: DictConfig,
+    target: preflight.RunTarget,
+    reads: dict[str, preflight.CheckpointInfo],
+    launched: bool,
+    extra_callbacks: list | None,
+) -> dict[str, Any]:
+    resume_ckpt = target.resume.path if target.resume is not None else None
+    cfg.run_dir = str(target.run_dir)
+    if cfg.mode in AFTER_MODES:  # a trained model, no trainer: generate / lm_eval / passkey
+        run_dir = _start(cfg, target, launched, resume_ckpt)
+        return {**run_after_training(cfg, run_dir), "run_dir": str(run_dir)}
     plan = resolve_plan(cfg)
     dm = plan.build_data()
     dm.prepare_data()
-    if cfg.mode == "fit" and not launched:
-        save_run_tokenizer(dm, run_dir)  # a run directory is self-contained
     plan = plan.with_data(dm)
     if plan.global_batch_line():
         print(f"[mega-suite] {plan.global_batch_line()}")
     module = build_run_module(plan)
+    checked = dict(reads, **({"resume": target.resume} if target.resume is not None else {}))
+    for key, info in checked.items():  # every checkpoint this run reads holds the model it built
+        preflight.check_model(info, module.model, plan.model, cfg, key)
+
+    run_dir = _start(cfg, target, launched, resume_ckpt)  # nothing was written before this point
+    if cfg.mode == "fit" and not launched:
+        save_run_tokenizer(dm, run_dir)  # a run directory is self-contained
     if cfg.init_from:
         init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
@@ -283,11 +283,13 @@ def _run_in(
         try:
             trainer.fit(module, datamodule=data, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
         except NonFiniteLossError as exc:
-            print(f"[mega-suite] {exc}", file=sys.stderr)
+            print(f"error: {exc} {kept_checkpoint(run_dir)}", file=sys.stderr)
             raise
+        except StopRequested as exc:
+            print(f"[mega-suite] {exc}; resume with resume=auto")
         stopped = any(isinstance(cb, GracefulStop) and cb.requested for cb in trainer.callbacks)
         if not trainer.interrupted and not stopped:  # a graceful stop saved mid-epoch already: keep that
-            trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+            save_last(trainer, run_dir / "checkpoints" / "last.ckpt")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     elif cfg.mode in ("validate", "test"):
         ckpt = cfg.ckpt or (str(resume_ckpt) if resume_ckpt else None)
@@ -311,6 +313,22 @@ def _run_in(
         raise ConfigError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
     metrics["run_dir"] = str(run_dir)
     return metrics
+
+
+def kept_checkpoint(run_dir: Path) -> str:
+    """What the run keeps after it stopped on a non-finite loss: never a checkpoint that does not exist."""
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    try:
+        info = preflight.read_checkpoint(last, "last")
+    except ConfigError:
+        return (
+            "No checkpoint was saved before it (nothing to resume): lower optim.lr or enable clipping "
+            "(optim.clip_grad_norm) and start again."
+        )
+    return (
+        f"The last good checkpoint, {last} (step {info.global_step}), is kept: lower optim.lr, enable clipping "
+        "(optim.clip_grad_norm), and continue it with resume=auto (the new optim.* values apply)."
+    )
 
 
 def build_run_module(plan: RunPlan) -> L.LightningModule:

@@ -3,6 +3,7 @@ atomic sharded checkpoints, and samplers split over the data-parallel ranks (doc
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -11,6 +12,7 @@ from datamodules.common import set_data_parallel
 from mega_suite.distributed.chunk_parallel import ChunkParallelContext
 from mega_suite.distributed.fsdp import build_mesh, data_parallel_rank
 from mega_suite.training.checkpoint import remove_path, replace_checkpoint
+from mega_suite.training.saving import save_error
 
 
 def make_strategy(kind: str, chunk_parallel: int = 1, chunk_parallel_mode: str = "parallel", **kwargs):
@@ -39,13 +41,21 @@ def make_strategy(kind: str, chunk_parallel: int = 1, chunk_parallel_mode: str =
             single-process ``AtomicCheckpointIO`` (a kill during a save leaves the previous one usable)."""
             path = Path(self.broadcast(str(filepath)))
             tmp = path.with_name(path.name + ".tmp")
-            if self.global_rank == 0:
-                remove_path(tmp)
-            self.barrier()
-            super().save_checkpoint(checkpoint, tmp, storage_options)
-            self.barrier()
-            if self.global_rank == 0:
-                replace_checkpoint(tmp, path)
+            try:
+                if self.global_rank == 0:
+                    remove_path(tmp)
+                self.barrier()
+                super().save_checkpoint(checkpoint, tmp, storage_options)
+                self.barrier()
+                if self.global_rank == 0:
+                    replace_checkpoint(tmp, path)
+            except BaseException as exc:
+                if self.global_rank == 0:
+                    with contextlib.suppress(OSError):
+                        remove_path(tmp)
+                if isinstance(exc, OSError):
+                    raise save_error(path, exc) from None
+                raise
             self.barrier()
 
         @property

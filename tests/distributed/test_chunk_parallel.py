@@ -115,10 +115,40 @@ def _train_worker(rank: int, world: int, port: int, dtype_name: str) -> None:
             _padded_layers(model, rank, world)
             if world == 4:  # the slow case: importing Lightning costs ~10 s a process on 2 cores
                 _validation_step(model, rank, world)
-            else:  # one spawn for both (a spawn costs seconds of imports)
+            else:  # one spawn for these (a spawn costs seconds of imports)
                 _bf16_check(rank, world)
+                _training_step_gradients(model, rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _training_step_gradients(model: MegalodonLM, rank: int, world: int) -> None:
+    """The loss CausalLM's training step back-propagates under chunk parallelism (``_chunk_parallel_loss``),
+    its gradients averaged over the ranks as DDP / FSDP2 average them: every parameter's gradient equals that of
+    the single-process mean loss over the whole batch (float64). The logged training losses cannot tell:
+    AdamW's step barely moves when every gradient is scaled by the same factor."""
+    from mega_suite.training.module import CausalLM
+
+    module = CausalLM(MegalodonConfig(**CFG), optim={}, trainer={}, total_steps=1)
+    module.model = model.train()
+    batch = _packed_batch(2, 8 * world, seed=5)
+    model.zero_grad(set_to_none=True)
+    hidden, _ = model.forward_hidden(batch["input"])
+    (model.token_nll(hidden, batch["target"]).sum() / batch["target"].numel()).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    module.chunk_parallel = ChunkParallelContext.from_group(None)
+    module.on_train_batch_start(batch, 0)  # attaches the chunk-parallel exchange, as in training
+    loss, nll, count = module._chunk_parallel_loss(batch, module.chunk_parallel)
+    loss.backward()
+    module.on_train_batch_end(None, batch, 0)
+    assert int(count) == batch["target"].numel() // world  # this rank's slice
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # DDP / FSDP2: the mean over the ranks
+        p.grad /= world
+        assert _rel(p.grad, want[name]) <= 1e-10, (
+            f"rank {rank}: training-step grad {name} off by {_rel(p.grad, want[name])}"
+        )
 
 
 def _eval_document(model: MegalodonLM, rank: int, world: int) -> None:

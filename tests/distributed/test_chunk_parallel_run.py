@@ -1,6 +1,7 @@
 """trainer.chunk_parallel=2 end to end (issue 12's must-show): two CPU processes (gloo), each training on its
 chunk-aligned half of the same sequences, log the same training losses as one process with the same seed,
-and the same validation and test metrics (the streamed documents split over both ranks, each scored once)."""
+and the same validation and test metrics (the streamed documents split over both ranks, each scored once). The
+gradients of the training step's loss: tests/distributed/test_chunk_parallel.py (_training_step_gradients)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def _run(data_dir: Path, run_dir: Path, *extra: str) -> dict[str, list[float]]:
 def test_two_chunk_parallel_ranks_log_the_single_process_losses(mode, tmp_path_factory):
     data = tmp_path_factory.mktemp("kjv")
     out = tmp_path_factory.mktemp("runs")
-    one = _run(data, out / "one", "trainer.devices=1")
+    # the baseline is what a user runs on one device (strategy auto), not one-rank FSDP: that also built the
+    # model on the meta device, and so hid that the two initialisations differed
+    one = _run(data, out / "one", "trainer.devices=1", "trainer.strategy=auto")
     two = _run(
         data,
         out / "two",

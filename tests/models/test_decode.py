@@ -18,6 +18,10 @@ from mega_suite import MegalodonLM
 from mega_suite.models.megalodon import decode
 
 GEMVS = ["matmul", "rows"] + (["mkldnn"] if decode.mkldnn_available(torch.device("cpu")) else [])
+# oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT): on an AVX2-only CPU 'mkldnn' refuses bf16 weights
+BF16_GEMVS = [
+    g for g in GEMVS if g != "mkldnn" or decode.mkldnn_available(torch.device("cpu"), torch.bfloat16)
+]
 
 
 def make_lm(seed=0, **overrides):
@@ -79,13 +83,12 @@ def test_window_stats_decode_equals_segment_path(monkeypatch):
 
 @pytest.mark.parametrize(
     "dtype, gemv, tol, batch",
-    [(torch.bfloat16, g, 0.03, 2) for g in GEMVS]
-    + [(torch.bfloat16, "matmul", 0.03, 1), (torch.int8, "matmul", 0.05, 2)],
+    [(torch.bfloat16, g, 0.03, 2) for g in BF16_GEMVS] + [(torch.bfloat16, "matmul", 0.03, 1)],
 )
 def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol, batch):
-    """bf16 (8 mantissa bits) and int8 (per-row scale / 127) weights: the logits within a few percent of
-    the float64 pass's largest logit (batch 1: bf16's torch.mv branch); the parameters are not touched,
-    and float32 again is exact."""
+    """bf16 (8 mantissa bits) weights: the logits within a few percent of the float64 pass's largest logit
+    (batch 1: bf16's torch.mv branch); the parameters are not touched, and float32 again is exact. (int8:
+    ``test_int8_decode_is_the_rounded_weights_up_to_bf16_activations``.)"""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(3))
     dec = decode.Decoder(model)
@@ -101,6 +104,106 @@ def test_low_precision_decode_weights_are_close_and_separate(dtype, gemv, tol, b
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     dec.set_weights(None)
     torch.testing.assert_close(decode_logits(dec, tokens, prompt=2), ref, rtol=0, atol=0)
+
+
+def _rounded_int8(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-row symmetric int8 steps of ``weight``, from the math in float64: round(W / s), s = max|W| / 127."""
+    w = weight.double()
+    step = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (w / step).round().clamp(-127, 127), step
+
+
+def test_int8_decode_weights_are_rounded_to_the_nearest_step():
+    """The int8 packing rounds each weight to its row's nearest step (truncation toward zero would move half
+    of them by one step); the per-row scale is the step in bf16."""
+    weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(0)) * torch.rand(48, 1) * 3
+    packed = pack_module.Gemv(weight, None, torch.int8, "matmul")
+    steps, step = _rounded_int8(weight)
+    differ = packed.w.double() != steps
+    # a float32 W / s may land on the other side of a half-step than the float64 one: at most one step, rarely
+    assert (packed.w.double() - steps).abs().max() <= 1 and differ.double().mean() < 0.005, differ.sum()
+    torch.testing.assert_close(packed.scale.double(), step[:, 0], rtol=2**-8, atol=0)
+
+
+def _reference_int8_decoder(model, monkeypatch) -> decode.Decoder:
+    """The float32 decoder whose block weights (packed and folded as the int8 plan packs them) are replaced by
+    their int8 steps from ``_rounded_int8``, dequantised: the int8 weights' own error, float32 elsewhere."""
+    real = pack_module.Gemv
+
+    def dequantised(weight, bias, dtype, kind):
+        steps, step = _rounded_int8(weight)
+        return real((steps * step).float(), bias, dtype, kind)
+
+    dec = decode.Decoder(copy.deepcopy(model))
+    with monkeypatch.context() as m:
+        m.setattr(pack_module, "Gemv", dequantised)
+        m.setattr(pack_module.DecodePlan, "__init__", _blocks_only(pack_module.DecodePlan.__init__, real))
+        dec.plan()
+    return dec
+
+
+def _blocks_only(init, real):
+    """DecodePlan.__init__ with the head packed by the real Gemv (the int8 plan keeps the head float32)."""
+
+    def wrapped(self, model, dtype, kind, kv_dtype=None):
+        init(self, model, dtype, kind, kv_dtype)
+        head = model.output.output
+        self.head = real(head.weight.float(), None, torch.float32, kind)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("seed, batch", [(0, 2), (1, 1), (2, 2)])
+def test_int8_decode_is_the_rounded_weights_up_to_bf16_activations(seed, batch, monkeypatch):
+    """int8 weight-only decoding = the rounded int8 weights (``_reference_int8_decoder``, float32) with
+    activations and row scales rounded to bf16 at each GEMV. The tolerance is that rounding's own error,
+    measured here as the bf16-weight decoder's distance from the float32 one: twice it (a fixed share of
+    the largest logit let weights truncated instead of rounded pass). The parameters are not touched, and
+    float32 again is exact."""
+    model = make_lm(seed)
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(3))
+    dec = decode.Decoder(model)
+    exact = decode_logits(dec, tokens, prompt=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = decode_logits(dec.set_weights(torch.int8, "matmul"), tokens, prompt=2)
+    assert dec.plan().blocks[0].gemv_m.dtype == torch.int8 and got.dtype == torch.float32
+    reference = decode_logits(_reference_int8_decoder(model, monkeypatch), tokens, prompt=2)
+    bf16 = decode_logits(decode.Decoder(copy.deepcopy(model), torch.bfloat16), tokens, prompt=2)
+    rounding = (bf16 - exact)[:, 2:].abs().max().item()
+    assert (reference - exact)[:, 2:].abs().max() > rounding  # the int8 steps matter more than bf16's
+    torch.testing.assert_close(got[:, 2:], reference[:, 2:], rtol=0, atol=2 * rounding)
+    want = float64_logits(copy.deepcopy(model), tokens)
+    assert (got.double() - want).abs().max() < 2 * (reference.double() - want).abs().max() + 2 * rounding
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    dec.set_weights(None)
+    torch.testing.assert_close(decode_logits(dec, tokens, prompt=2), exact, rtol=0, atol=0)
+
+
+def test_mkldnn_bf16_runs_or_is_refused_as_the_cpu_allows(monkeypatch):
+    """oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU raised inside its weight
+    reorder). Where the CPU has it, bf16 'mkldnn' decodes; where not, it is one clear ValueError at
+    construction. Both branches run here: the refusal with the capability check answering no."""
+    model = make_lm()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    refusal = r"gemv 'mkldnn' with bfloat16 weights needs oneDNN's bf16 path.*AVX-512.*use gemv 'rows'"
+    if not decode.mkldnn_available(torch.device("cpu")):
+        pytest.skip("no oneDNN in this torch build")
+    if decode.mkldnn_available(torch.device("cpu"), torch.bfloat16):
+        got = decode_logits(decode.Decoder(model, torch.bfloat16, "mkldnn"), tokens, prompt=2)
+        want = float64_logits(copy.deepcopy(model), tokens).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            decode.Decoder(model, torch.bfloat16, "mkldnn")
+    monkeypatch.setattr(pack_module, "mkldnn_bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match=refusal):
+        decode.Decoder(model, torch.bfloat16, "mkldnn")
+    with pytest.raises(ValueError, match=refusal):
+        decode.Decoder(model).set_weights(torch.bfloat16, "mkldnn")
+    decode.Decoder(model, torch.float32, "mkldnn")  # float32 weights need no bf16 support
+    assert decode.mkldnn_available(torch.device("cpu")) and not decode.mkldnn_available(
+        torch.device("cpu"), torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -53,9 +53,10 @@ def test_stop_under_accumulation_waits_for_the_window_and_resumes_exactly(listop
 
 
 def test_sharded_checkpoint_replacement_survives_a_kill(tmp_path):
-    """A sharded checkpoint is a directory: replaced through <path>.old. A kill before the swap leaves the
-    previous checkpoint in place; a kill between the two renames leaves it in <path>.old, which resuming
-    puts back; after the swap only the new one remains."""
+    """A sharded checkpoint is a directory: replaced through <path>.prev. A kill before the swap leaves the
+    previous checkpoint in place; a kill between the two renames leaves it in <path>.prev (and an older
+    version's <path>.old, which resuming puts back); after the swap the new one is in place and the
+    previous one kept as <path>.prev."""
     from mega_suite.training.checkpoint import recover_checkpoint, replace_checkpoint
 
     last = tmp_path / "last.ckpt"
@@ -71,7 +72,9 @@ def test_sharded_checkpoint_replacement_survives_a_kill(tmp_path):
     assert recover_checkpoint(last).joinpath("shard").read_text() == "previous"
     replace_checkpoint(tmp, last)
     assert (last / "shard").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # the replaced one is kept, one generation back (resume=auto's fallback)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.prev"]
+    assert (tmp_path / "last.ckpt.prev" / "shard").read_text() == "previous"
     # a file checkpoint replaced by a directory (and back) works too
     f = tmp_path / "f.ckpt"
     f.write_text("file")

@@ -223,7 +223,8 @@ def test_init_from_starts_a_new_run_from_checkpoint_weights(listops_dir, tmp_pat
         run(tiny_config(listops_dir, tmp_path / "c", f"init_from={tmp_path / 'nope.ckpt'}"))
     with pytest.raises(
         ValueError,
-        match=r"(?s)init_from=.*shape mismatches: \['encoder.embed.weight: checkpoint \(16, 16\) vs model \(16, 32\)",
+        match=r"init_from=.*last.ckpt: checkpoint was trained with model.model_dim=16 \(recipe=debug, task=classify\); "
+        r"this run builds model.model_dim=32",
     ):
         run(tiny_config(listops_dir, tmp_path / "d", f"init_from={ckpt}", "model.model_dim=32"))
     with pytest.raises(ValueError, match="init_from applies to mode=fit"):

@@ -53,8 +53,26 @@ CUDA_ROW_GEMV = "mv"
 CUDA_ROW_GEMVS = ("mv", "mm", "cublas", "triton")
 
 
-def mkldnn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
+def mkldnn_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the ``mkldnn`` GEMV runs ``dtype`` weights on ``device``: a CPU build with oneDNN, and for
+    bfloat16 a CPU oneDNN's bf16 path supports (``mkldnn_bf16_supported``)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops, "mkldnn"):
+        return False
+    return dtype != torch.bfloat16 or mkldnn_bf16_supported()
+
+
+@functools.cache
+def mkldnn_bf16_supported() -> bool:
+    """oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU its weight reorder
+    raises. torch's own check of exactly that, else one reorder of a tiny weight, asked once."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        if check is not None:
+            return bool(check())
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+        return True
+    except RuntimeError:
+        return False
 
 
 def check_row_gemv(kind: str) -> str:
@@ -292,6 +310,13 @@ def check_decode_options(
         raise ValueError(f"decode gemv must be one of {GEMV_KINDS}, got {kind!r}")
     if kind == "mkldnn" and not mkldnn_available(device):
         raise ValueError(f"decode gemv 'mkldnn' needs a CPU build with oneDNN; the model is on {device}")
+    if kind == "mkldnn" and dtype == torch.bfloat16 and not mkldnn_available(device, dtype):
+        raise ValueError(
+            "decode gemv 'mkldnn' with bfloat16 weights needs oneDNN's bf16 path, which this CPU lacks (it "
+            f"needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; torch's CPU capability here: "
+            f"{torch.backends.cpu.get_cpu_capability()}): use gemv 'rows' or 'matmul' with bfloat16 weights, "
+            "or float32 weights with 'mkldnn'"
+        )
 
 
 @functools.lru_cache(maxsize=16)
