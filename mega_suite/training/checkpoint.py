@@ -27,11 +27,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from mega_suite.models.bundle import bundle_state, is_bundle
 from mega_suite.training.saving import save_error
 
-# Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules).
-_PREFIXES = ("_orig_mod.", "module.", "model.")
+# Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules, and the
+# "state_dict." of a sharded checkpoint's keys).
+_PREFIXES = ("_orig_mod.", "module.", "model.", "state_dict.")
 
 
-def _strip(key: str) -> str:
+def strip_prefixes(key: str) -> str:
+    """A parameter's reference name: the wrappers' prefixes removed."""
     changed = True
     while changed:
         changed = False
@@ -43,7 +45,7 @@ def _strip(key: str) -> str:
 
 def to_reference(model: nn.Module) -> OrderedDict[str, Tensor]:
     """Our model -> a reference-format state dict (detached tensors, names unchanged)."""
-    return OrderedDict((_strip(k), v.detach()) for k, v in model.state_dict().items())
+    return OrderedDict((strip_prefixes(k), v.detach()) for k, v in model.state_dict().items())
 
 
 # The release keeps RoPE's inverse frequencies as a buffer; ours are computed from model.rope_base.
@@ -68,7 +70,7 @@ def from_reference(state_dict: dict[str, Tensor], model: nn.Module | None = None
 
     Buffers the release stores but we derive from the config (``rope.freqs``) are checked and dropped.
     """
-    out = OrderedDict((_strip(k), v) for k, v in state_dict.items())
+    out = OrderedDict((strip_prefixes(k), v) for k, v in state_dict.items())
     for key in _DERIVED:
         if key in out:
             _check_rope(out.pop(key), model)
@@ -133,7 +135,7 @@ def sharded_model_state(path) -> OrderedDict[str, Tensor]:
         dcp_to_torch_save(str(path), str(out))
         state = torch.load(out, map_location="cpu", weights_only=True)
     model = {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    return OrderedDict((_strip(k), v) for k, v in model.items())
+    return OrderedDict((strip_prefixes(k), v) for k, v in model.items())
 
 
 def _checkpoint_of(path) -> Path:
@@ -166,7 +168,7 @@ def consolidate(source, out) -> Path:
         obj = torch.load(path, map_location="cpu", weights_only=True)
         if isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint: the model's entries
             obj = {k: v for k, v in obj["state_dict"].items() if k.startswith("model.")}
-        state = OrderedDict((_strip(k), v) for k, v in obj.items())
+        state = OrderedDict((strip_prefixes(k), v) for k, v in obj.items())
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -293,34 +295,7 @@ def load_full_weights(model: nn.Module, path) -> None:
     set_model_state_dict(model, state, options=options)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+if __name__ == "__main__":  # the command line is export.py's (it reads trained runs: above this module)
+    from mega_suite.training.export import main
 
-    parser = argparse.ArgumentParser(prog="python -m mega_suite.training.checkpoint")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
-    c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")
-    c.add_argument("out", help="output .pt file")
-    e = sub.add_parser(
-        "export", help="a run's (sharded) checkpoint -> a safetensors bundle (docs/after_training.md)"
-    )
-    e.add_argument("source", help="run directory (uses checkpoints/last.ckpt), checkpoint or bundle")
-    e.add_argument("out", help="output folder: model.safetensors, config.json, the tokenizer")
-    e.add_argument(
-        "--dtype", default=None, help="parameters' dtype in the files: bf16, fp16, fp32 (default: as saved)"
-    )
-    e.add_argument(
-        "--max-shard-size", default="5GB", help="split model.safetensors above this size (default 5GB)"
-    )
-    args = parser.parse_args(argv)
-    if args.command == "export":
-        from mega_suite.training.export import export_command
-
-        return export_command(args)
-    out = consolidate(args.source, args.out)
-    print(f"wrote {out} ({len(torch.load(out, weights_only=True))} tensors)")
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

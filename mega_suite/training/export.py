@@ -1,4 +1,5 @@
-"""``python -m mega_suite.training.checkpoint export RUN_DIR|CKPT OUT_DIR [--dtype bf16]``: a run's weights
+"""``python -m mega_suite.training.checkpoint export RUN_DIR|CKPT OUT_DIR [--dtype bf16]`` (and ``consolidate``; the
+command line of ``checkpoint.py`` is here, above the trained-model loader it uses): a run's weights
 (a Lightning checkpoint, a sharded FSDP2 directory or a consolidated state dict) as a shareable bundle
 (``mega_suite.models.bundle``: safetensors, config.json, the tokenizer, the transformers wrapper;
 docs/after_training.md#shareable-weights).
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from mega_suite.config import ConfigError
 from mega_suite.config.schema import RunConfig
 from mega_suite.models.bundle import DTYPES, BundleError, is_bundle, save_bundle
+from mega_suite.training.checkpoint import consolidate
 from mega_suite.training.trained import checkpoint_path, load_trained, run_config_of, run_dir_of
 
 
@@ -65,3 +68,34 @@ def export_command(args) -> int:
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}: {', '.join(files)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mega_suite.training.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
+    c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")
+    c.add_argument("out", help="output .pt file")
+    e = sub.add_parser(
+        "export", help="a run's (sharded) checkpoint -> a safetensors bundle (docs/after_training.md)"
+    )
+    e.add_argument("source", help="run directory (uses checkpoints/last.ckpt), checkpoint or bundle")
+    e.add_argument("out", help="output folder: model.safetensors, config.json, the tokenizer")
+    e.add_argument(
+        "--dtype", default=None, help="parameters' dtype in the files: bf16, fp16, fp32 (default: as saved)"
+    )
+    e.add_argument(
+        "--max-shard-size", default="5GB", help="split model.safetensors above this size (default 5GB)"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        return export_command(args)
+    out = consolidate(args.source, args.out)
+    print(f"wrote {out} ({len(torch.load(out, weights_only=True))} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

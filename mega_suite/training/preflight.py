@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mega_suite.config import ConfigError
 from mega_suite.models.bundle import BundleError, bundle_state, is_bundle
-from mega_suite.training.checkpoint import PREVIOUS, is_sharded_checkpoint, remove_path
+from mega_suite.training.checkpoint import PREVIOUS, is_sharded_checkpoint, remove_path, strip_prefixes
 from mega_suite.training.saving import why
 
 
@@ -60,13 +60,6 @@ class CheckpointInfo:
     optimizer_groups: int | None = None  # parameter groups of its first optimizer
 
 
-def _strip(key: str) -> str:
-    for prefix in ("state_dict.", "model.", "_orig_mod.", "module."):
-        if key.startswith(prefix):
-            return _strip(key[len(prefix) :])
-    return key
-
-
 def read_checkpoint(path: str | Path, key: str) -> CheckpointInfo:
     """Open ``path`` (a ``torch.save`` file or a sharded checkpoint folder) and check it is complete; the
     ConfigError names ``key=path`` and what is wrong with it."""
@@ -80,7 +73,7 @@ def read_checkpoint(path: str | Path, key: str) -> CheckpointInfo:
         except (BundleError, OSError) as exc:
             raise ConfigError(f"{where} is not a usable bundle: {_first_line(exc)}") from None
         info = CheckpointInfo(path, "weights")
-        info.shapes = {_strip(k): tuple(v.shape) for k, v in state.items()}
+        info.shapes = {strip_prefixes(k): tuple(v.shape) for k, v in state.items()}
         return info
     if path.is_dir():
         if not is_sharded_checkpoint(path):
@@ -141,7 +134,7 @@ def _describe(obj: Any, path: Path, where: str) -> CheckpointInfo:
     else:
         tensors = obj["model"] if isinstance(obj.get("model"), dict) else obj
         info = CheckpointInfo(path, "weights")
-    shapes = {_strip(k): tuple(v.shape) for k, v in tensors.items() if torch.is_tensor(v)}
+    shapes = {strip_prefixes(k): tuple(v.shape) for k, v in tensors.items() if torch.is_tensor(v)}
     if not shapes:
         raise ConfigError(f"{where} is not a checkpoint of a model: it holds no model tensors")
     info.shapes, info.model, info.run_config = shapes, extra.get("model"), extra.get("run_config")
@@ -166,7 +159,7 @@ def _read_sharded(path: Path, where: str) -> CheckpointInfo:
                 f"{where} is not a checkpoint: truncated or incomplete (shard {shard.name}: {state})"
             )
     shapes = {
-        _strip(k): tuple(m.size)
+        strip_prefixes(k): tuple(m.size)
         for k, m in metadata.state_dict_metadata.items()
         if k.startswith("state_dict.model.") and hasattr(m, "size")
     }
@@ -233,7 +226,7 @@ def check_model(
 ) -> None:
     """The checkpoint holds the model this run builds: every tensor name and shape (checked without loading
     the weights); the message names the config values or the tensors that differ."""
-    ours = {_strip(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    ours = {strip_prefixes(k): tuple(v.shape) for k, v in model.state_dict().items()}
     ours = {k: v for k, v in ours.items() if k != "rope.freqs"}
     theirs = {k: v for k, v in info.shapes.items() if k != "rope.freqs"}
     if ours == theirs:

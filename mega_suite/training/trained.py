@@ -29,6 +29,7 @@ from mega_suite.config.resolve import data_module, model_config
 from mega_suite.config.schema import RunConfig
 from mega_suite.models import arch_of, build_model
 from mega_suite.models.bundle import BundleError, is_bundle, load_bundle_into, read_config
+from mega_suite.training.checkpoint import is_sharded_checkpoint, sharded_model_state, strip_prefixes
 
 STEP_CHECKPOINT = re.compile(r"step(\d+)\.ckpt$")
 
@@ -63,33 +64,6 @@ class Trained:
 def device_of(cfg: DictConfig) -> torch.device:
     use_gpu = torch.cuda.is_available() and cfg.trainer.accelerator != "cpu"
     return torch.device("cuda" if use_gpu else "cpu")
-
-
-# Checkpoint files are read here, not through training.checkpoint: its command line (export) reaches this
-# module, and the import graph stays acyclic. The formats are checkpoint.py's (Lightning file with "state_dict"
-# and "global_step", sharded torch.distributed.checkpoint directory with meta.pt, or a bare state dict).
-_PREFIXES = ("_orig_mod.", "module.", "model.")
-
-
-def _strip(key: str) -> str:
-    while key.startswith(_PREFIXES):
-        key = key.split(".", 1)[1]
-    return key
-
-
-def is_sharded_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file()
-
-
-def sharded_model_state(path: Path) -> dict[str, Tensor]:
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
-        state = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
-    return {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
 
 
 def checkpoint_path(path: str | Path) -> Path:
@@ -136,7 +110,7 @@ def checkpoint_state(path: Path) -> tuple[OrderedDict[str, Tensor], int | None]:
         meta = path / "meta.pt"
         if meta.is_file():
             step = torch.load(meta, map_location="cpu", weights_only=True).get("global_step")
-        return OrderedDict((_strip(k), v) for k, v in sharded_model_state(path).items()), step
+        return sharded_model_state(path), step
     obj = torch.load(path, map_location="cpu", weights_only=True)
     step = None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
@@ -146,7 +120,7 @@ def checkpoint_state(path: Path) -> tuple[OrderedDict[str, Tensor], int | None]:
         obj = obj["model"]
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: not a checkpoint (expected a state dict, a suite checkpoint or a bundle)")
-    return OrderedDict((_strip(k), v) for k, v in obj.items()), step
+    return OrderedDict((strip_prefixes(k), v) for k, v in obj.items()), step
 
 
 def tokens_per_step(run_dir: Path | None) -> int | None:

@@ -2,7 +2,8 @@
 (docs/architecture.md#where-the-math-lives lists the modules; the layering is the README's "Layout").
 
 Every ``import`` and ``from ... import`` of a project module counts, at module level or inside a function:
-a function-local import is still a dependency, deferred.
+a function-local import is still a dependency, deferred. Imports in an ``if __name__ == "__main__":`` block do
+not: they run only when the file is the program's entry point, as a module of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     """The project modules ``path`` imports: ``from a.b import c`` names a.b.c where that is a module."""
     is_package = path.name == "__init__.py"
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):  # the entry-point block runs as a separate module "__main__", never on import
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"':
+            node.body, node.orelse = [], []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -136,6 +141,12 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_an_entry_point_block_is_not_a_dependency(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('import os\nif __name__ == "__main__":\n    from kernels import dispatch\n')
+    assert imports_of(source, "m", {"kernels.dispatch": source}) == set()
 
 
 def test_the_graph_sees_function_local_and_from_imports():
