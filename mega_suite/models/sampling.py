@@ -1,6 +1,9 @@
-"""Sampling one next token from logits: greedy, temperature, top-k, top-p (nucleus)."""
+"""Sampling from a language model: one next token from logits (greedy, temperature, top-k, top-p), and the
+loop every decoder shares (``sample_loop``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,3 +39,41 @@ def sample_next(
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_prompt(prompt: Tensor) -> None:
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be a non-empty [B, L] tensor, got shape {tuple(prompt.shape)}")
+
+
+def sample_loop(
+    prompt: Tensor,
+    logits: Tensor,
+    advance: Callable[[Tensor], Tensor],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    stop: Callable[[Tensor], bool] | None = None,
+) -> Tensor:
+    """Sample up to ``max_new_tokens`` tokens after ``prompt`` [B, L], whose last logits are ``logits[:, -1]``;
+    ``advance(tokens [B])`` feeds one token per row to the decoder and returns its logits [B, 1, V]. With
+    ``eos_id`` a finished row repeats it and the loop ends when every row has; ``stop(out)``, given the tokens
+    so far, ends it when True (a stop string). Returns [B, L + new]."""
+    out = [prompt]
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, greedy, generator)
+        if eos_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, eos_id), nxt)
+            finished |= nxt == eos_id
+        out.append(nxt[:, None])
+        if eos_id is not None and bool(finished.all()):
+            break
+        if stop is not None and stop(torch.cat(out, 1)):
+            break
+        logits = advance(nxt)
+    return torch.cat(out, 1)

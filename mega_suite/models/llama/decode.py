@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mega_suite.models.common import autocast_input, rope
-from mega_suite.models.sampling import sample_next
+from mega_suite.models.sampling import check_prompt, sample_loop
 
 
 @dataclass
@@ -127,20 +127,14 @@ def generate(
     """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens; returns [B, L + new]. The arguments are
     those of Megalodon's ``generate``; ``stop(out)`` ends generation early when it returns True."""
     dec = source if isinstance(source, LlamaDecoder) else LlamaDecoder(source)
-    if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be a non-empty [B, L] tensor, got shape {tuple(prompt.shape)}")
+    check_prompt(prompt)
     logits, cache = dec(prompt)
-    out = [prompt]
-    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, greedy, generator)
-        if eos_id is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, eos_id), nxt)
-            finished |= nxt == eos_id
-        out.append(nxt[:, None])
-        if eos_id is not None and bool(finished.all()):
-            break
-        if stop is not None and stop(torch.cat(out, 1)):
-            break
-        logits, cache = dec(nxt[:, None], cache)
-    return torch.cat(out, 1)
+
+    def advance(tokens: Tensor) -> Tensor:
+        nonlocal cache
+        logits, cache = dec(tokens[:, None], cache)
+        return logits
+
+    return sample_loop(
+        prompt, logits, advance, max_new_tokens, temperature, top_k, top_p, greedy, eos_id, generator, stop
+    )

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from mega_suite.models.megalodon.decode.decoder import Decoder
 from mega_suite.models.megalodon.decode.static import StaticDecoder
-from mega_suite.models.sampling import sample_next
+from mega_suite.models.sampling import check_prompt, sample_loop
 
 
 @torch.no_grad()
@@ -38,8 +38,7 @@ def generate(
     ``stop(out)``: called with the tokens so far after each new one; True ends generation (a stop string).
     """
     dec = source if isinstance(source, Decoder) else Decoder(source)
-    if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be a non-empty [B, L] tensor, got shape {tuple(prompt.shape)}")
+    check_prompt(prompt)
     if (static or compile) and window_stats:
         raise ValueError("static / compiled decoding does not support window_stats")
     cache = dec.model.new_cache(prompt.shape[0], window_stats)
@@ -56,17 +55,6 @@ def generate(
             logits, cache = dec(tokens[:, None], cache)
             return logits
 
-    out = [prompt]
-    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, greedy, generator)
-        if eos_id is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, eos_id), nxt)
-            finished |= nxt == eos_id
-        out.append(nxt[:, None])
-        if eos_id is not None and bool(finished.all()):
-            break
-        if stop is not None and stop(torch.cat(out, 1)):
-            break
-        logits = advance(nxt)
-    return torch.cat(out, 1)
+    return sample_loop(
+        prompt, logits, advance, max_new_tokens, temperature, top_k, top_p, greedy, eos_id, generator, stop
+    )
