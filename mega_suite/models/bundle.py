@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mega_suite.models.common import state_mismatch
 from mega_suite.models.registry import ARCHS, arch_of, build_model
 
 FORMAT = 1  # config.json's mega_suite_format
@@ -204,19 +205,9 @@ def load_bundle_into(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load a bundle's weights into ``model`` strictly; a BundleError names missing, unexpected or mis-shaped
     tensors (a bundle of another configuration)."""
     state = bundle_state(path)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [
-        f"{k}: bundle {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(state) & set(expected))
-        if state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or shapes:
-        raise BundleError(
-            f"bundle {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-            f"shape mismatches {shapes[:5]}"
-        )
+    problem = state_mismatch(state, model, "bundle", most=5)
+    if problem:
+        raise BundleError(f"bundle {path} does not fit the model: {problem}")
     model.load_state_dict(state, strict=True)
     return model
 

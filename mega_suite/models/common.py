@@ -22,6 +22,24 @@ def init_all(root: nn.Module) -> None:
             module.reset_parameters()
 
 
+def state_mismatch(
+    state: dict[str, Tensor], model: nn.Module, source: str, most: int | None = None
+) -> str | None:
+    """What keeps ``state`` from loading strictly into ``model`` (missing, unexpected and mis-shaped tensors,
+    the first ``most`` of each), or None; ``source`` names where ``state`` came from."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))[:most]
+    unexpected = sorted(set(state) - set(expected))[:most]
+    shapes = [
+        f"{k}: {source} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ][:most]
+    if not (missing or unexpected or shapes):
+        return None
+    return f"missing keys: {missing}; unexpected keys: {unexpected}; shape mismatches: {shapes}"
+
+
 def init_linear(linear: nn.Linear) -> None:
     """Kaiming normal, a = sqrt(5), fan-in: N(0, 1 / (3 fan_in)); bias 0."""
     nn.init.kaiming_normal_(linear.weight, a=math.sqrt(5))

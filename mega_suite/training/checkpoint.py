@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from mega_suite.models.bundle import bundle_state, is_bundle
+from mega_suite.models.common import state_mismatch
 from mega_suite.training.saving import save_error
 
 # Wrappers that training frameworks put in front of names (torch.compile, DDP, Lightning modules, and the
@@ -74,20 +75,9 @@ def from_reference(state_dict: dict[str, Tensor], model: nn.Module | None = None
     for key in _DERIVED:
         if key in out:
             _check_rope(out.pop(key), model)
-    if model is not None:
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(out))
-        unexpected = sorted(set(out) - set(expected))
-        shapes = [
-            f"{k}: checkpoint {tuple(out[k].shape)} vs model {tuple(expected[k].shape)}"
-            for k in sorted(set(out) & set(expected))
-            if out[k].shape != expected[k].shape
-        ]
-        if missing or unexpected or shapes:
-            raise ValueError(
-                "reference state dict does not match the model:\n"
-                f"  missing keys: {missing}\n  unexpected keys: {unexpected}\n  shape mismatches: {shapes}"
-            )
+    problem = None if model is None else state_mismatch(out, model, "checkpoint")
+    if problem:
+        raise ValueError(f"reference state dict does not match the model: {problem}")
     return out
 
 
