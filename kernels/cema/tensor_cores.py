@@ -3,9 +3,9 @@
 Per channel d with N complex modes, chunks of T = 16 S steps, x with padded steps zeroed, chunk c's steps
 j = 0..T-1 (the last chunk, c_L = NC - 1, has T_L <= T steps):
 
-    y_c[i]        = Σ_{j<=i} k_{i-j} x_c[j] + Re(Σ_n γ_n q_n^{i+1} h_c) + ω x_c[i]     k_ℓ = Re(Σ_n γ p q^ℓ), ℓ < T
-    h_{c+1}       = q^T h_c + p Σ_j q^{T-1-j} x_c[j]                                h_0 = h0 (the chunk start states)
-    h_last        = q^{T_L} h_{c_L} + p Σ_{j<T_L} q^{T_L-1-j} x_{c_L}[j]
+    y_c[i]  = Σ_{j<=i} k_{i-j} x_c[j] + Re(Σ_n γ_n q_n^{i+1} h_c) + ω x_c[i]     k_ℓ = Re(Σ_n γ p q^ℓ), ℓ < T
+    h_{c+1} = q^T h_c + p Σ_j q^{T-1-j} x_c[j]                                  h_0 = h0 (the chunk start states)
+    h_last  = q^{T_L} h_{c_L} + p Σ_{j<T_L} q^{T_L-1-j} x_{c_L}[j]
 
 so inside a chunk y is a lower-triangular Toeplitz matrix K times x, the state enters through a [T x N]
 Vandermonde matrix (q^{i+1}) and leaves through an [N x T] one (q^{T-1-j}). A program owns (BD channels,
@@ -13,36 +13,38 @@ batch row) and sweeps the chunks in blocks of R = 16: a tile is [BD, R chunks, 1
 is a 3-D ``tl.dot`` (a batch of BD per-channel GEMMs, R rows) at ``input_precision="tf32x3"`` (float32
 accuracy from three TF32 products; CEMA is a float32 island, docs/architecture.md#float32-islands). K is
 used as S x S blocks of 16 x 16, of which the S (S + 1) / 2 on or below the diagonal are non-zero and S are
-distinct (block (a, b) depends on a - b only). Complex quantities are (re, im) float32 pairs; a GEMM of the
-real x with a complex table is two real GEMMs.
+distinct (block (a, b) depends on a - b only). Complex quantities are (re, im) float32 pairs; a product of
+the real x with a complex table is two real GEMMs.
 
 forward (``_tc_fwd``), per block of chunks c0 .. c0 + R - 1:
   H'     = p ⊙ (X' @ Q_in)     X' the block's x one chunk earlier (rows c0 - 1 ..): row k is the state
                                increment of chunk c0 + k - 1, Q_in[j, n] = q^{T-1-j}
   h      = scan of h_k = q^T h_{k-1} + e_k over the R rows (``tl.associative_scan`` on the complex affine
-           maps), e = H' with row 0 replaced by h0 (first block) or H'_0 + q^T h_{c0-1} (the carry): an
-           exclusive scan without moving registers, since X' is already shifted
+           maps), e = H' with h0 (first block) or q^T h_{c0-1} (the carry) added to row 0: an exclusive scan
+           without moving registers, since X' is already shifted
   y      = Σ_{b<=a} X_b @ K_{a-b}  +  Re(γ ⊙ h) @ Q_out - Im(γ ⊙ h) @ Q_out' + ω X     per 16-step tile a
   Each block's first start state is saved for the backward (N complex per 16 T steps and channel), and
   the last chunk's start state; h_last is formed after the sweep (the ragged last chunk's powers q^{T_L-1-j}
   are read from the table at shifted indices, so no negative power appears).
 
-backward (``_tc_bwd``), sweeping the blocks right to left, with gy = ∂L/∂y, G_last = ∂L/∂h_last and
-PyTorch's convention for complex gradients (G_z = ∂L/∂Re z + i ∂L/∂Im z):
-  ρ_c    = G_{h_{c+1}}: ρ_{c-1} = Ψ_c + conj(q^{T_c}) ρ_c,  Ψ_c = conj(γ) Ω_c,  Ω_c = Σ_i gy_c[i] conj(q^{i+1}),
-           ρ_{c_L} = G_last; a reverse scan over the block, Ω from the block's gy one chunk later (rows c0 + 1 ..)
-  h      recomputed from the block's saved start state (as in the forward)
-  dx_b   = Σ_{a>=b} GY_a @ K_{a-b}ᵀ + Re(conj(Q_in) p ρ) + ω gy  (the last chunk's ρ = G_last at shifted powers)
-  G_k    = correlations X_bᵀ @ GY_a (a - b = m: S tiles of 16 x 16 per channel, summed over the sweep)
-  G_p    = Σ_c Re(conj(ρ_c) (X @ Q_in)_c),  G_γ = Σ_c conj(h_c) Ω_c,  G_h0 = Ψ_0 + conj(q^{T_0}) ρ_0
-  G_q    = Σ_c conj(p (X @ Q_in')_c) ρ_c + Σ_c conj(γ h_c) (GY @ conj(Q_out'))_c + conj(T q^{T-1}) Σ_c ρ_c conj(h_c)
-           (Q_in' = ∂Q_in/∂q = (T-1-j) q^{T-2-j}, Q_out' = (i+1) q^i; plus the last chunk's terms)
+backward, with gy = ∂L/∂y, G_last = ∂L/∂h_last and PyTorch's convention for complex gradients
+(G_z = ∂L/∂Re z + i ∂L/∂Im z), in three sweeps (one sweep doing all of it spills registers):
+  ``_tc_bwd_dx``     right to left: ρ_c = G_{h_{c+1}} by a reverse scan of ρ_{c-1} = Ψ_c + conj(q^{T_c}) ρ_c,
+                     Ψ_c = conj(γ) Σ_i gy_c[i] conj(q^{i+1}) (from the block's gy one chunk later), ρ_{c_L} =
+                     G_last; dx = Σ_{a>=b} GY_a @ K_{a-b}ᵀ + Re(conj(Q_in) p ρ) + ω gy (the last chunk's
+                     ρ = G_last at shifted powers); each block's incoming ρ saved, and ρ_0
+  ``_tc_bwd_state``  ρ and h per block recomputed from the saved ones: G_p = Σ_c Re(conj(ρ_c) (X @ Q_in)_c),
+                     G_q += Σ_c conj(p (X @ Q_in')_c) ρ_c + conj(T q^{T-1}) Σ_c ρ_c conj(h_c)
+  ``_tc_bwd_out``    h per block: G_γ = Σ_c conj(h_c) (GY @ conj(Q_out))_c, G_q += Σ_c conj(γ h_c)
+                     (GY @ conj(Q_out'))_c, the taps' correlations X_bᵀ GY_a (a - b = m: S tiles of 16 x 16 per
+                     channel), G_ω, G_h0 = Ψ_0 + conj(q^{T_0}) ρ_0
+  (Q_in' = ∂Q_in/∂q = (T-1-j) q^{T-2-j}, Q_out' = (i+1) q^i; the last chunk's terms through h_last.)
   ``_tc_reduce`` sums the per-(batch row, channel) partials in a fixed order (no atomics) and adds the taps'
   share in float64: G_p += Σ_ℓ G_k[ℓ] Re(γ q^ℓ), G_γ += Σ_ℓ G_k[ℓ] conj(p q^ℓ), G_q += Σ_ℓ G_k[ℓ] conj(γ p ℓ q^{ℓ-1}).
 
-tables (``_tc_tables``, once per call and direction set): q^e for e = 0..T and the taps k_ℓ, ℓ < T, computed in
-float64 from the float32 q by repeated squaring (the error is ~log2(T) float64 roundings, against the ℓ-fold
-growth of a float32 arg q) and rounded once to float32.
+tables (``_tc_tables``, once per call for all parameter rows): q^e for e = 0..T and the taps k_ℓ, ℓ < T,
+computed in float64 from the float32 q by repeated squaring (the error is ~log2(T) float64 roundings, against
+the ℓ-fold growth of a float32 arg q) and rounded once to float32.
 
 Bidirectional CEMA runs the forward and backward kernels a second time on the reversed time axis
 (``REVERSE``) with the second parameter set and no ω, adding into y and dx. Entry points mirror
@@ -51,6 +53,8 @@ real outputs, no complex tensor), through the custom ops ``mega_suite::cema_tc_f
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -64,9 +68,14 @@ __all__ = ["CEMATensorCoreFunction", "CHUNKS", "cema", "cema_from_parameters"]
 
 ROWS = 16  # chunks per block: the M dimension of every GEMM (tl.dot needs >= 16)
 CHUNKS = (16, 32, 64, 128)  # allowed steps per chunk (multiples of the 16-step tile)
-DEFAULT_CHUNK = 32  # (see docs/kernels.md#cema: fewer FLOPs than 64, and the backward fits the registers)
+DEFAULT_CHUNK = (
+    32  # fewer multiply-adds than 64, and the backward sweeps fit the registers (docs/kernels.md#cema)
+)
 BLOCK_D = 4  # channels per program: the batch dimension of the 3-D dots
 WARPS = 8
+# modes per program: tl.dot needs 16 on a GPU; the interpreter (CPU tests) emulates the scans element by
+# element, so there N is padded only to a power of two (the masks of the padded modes are the same code)
+_MIN_BN = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 SLOTS: tl.constexpr = tl.constexpr(10)  # partial gradient vectors per (batch row, channel), see _tc_reduce
 
 
@@ -803,7 +812,7 @@ class _Shape:
         self.ng = triton.cdiv(self.nc, ROWS)
         self.t_last = length - (self.nc - 1) * chunk
         self.bd = min(BLOCK_D, triton.next_power_of_2(dim))
-        self.bn = max(16, triton.next_power_of_2(ndim))
+        self.bn = max(_MIN_BN, triton.next_power_of_2(ndim))
         self.bits = chunk.bit_length()  # exponents up to T
         self.grid = (triton.cdiv(dim, self.bd), batch)
         self.prec = _precision(device)
