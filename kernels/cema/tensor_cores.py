@@ -68,9 +68,7 @@ __all__ = ["CEMATensorCoreFunction", "CHUNKS", "cema", "cema_from_parameters"]
 
 ROWS = 16  # chunks per block: the M dimension of every GEMM (tl.dot needs >= 16)
 CHUNKS = (16, 32, 64, 128)  # allowed steps per chunk (multiples of the 16-step tile)
-DEFAULT_CHUNK = (
-    32  # fewer multiply-adds than 64, and the backward sweeps fit the registers (docs/kernels.md#cema)
-)
+DEFAULT_CHUNK = 32  # fewer multiply-adds than 64, and no register spills (docs/kernels.md#cema)
 BLOCK_D = 4  # channels per program: the batch dimension of the 3-D dots
 WARPS = 8
 # modes per program: tl.dot needs 16 on a GPU; the interpreter (CPU tests) emulates the scans element by

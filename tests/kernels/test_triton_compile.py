@@ -279,7 +279,8 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
 
 def _kernels_of(module) -> dict[str, object]:
     """The module's launchable kernels: its JITFunctions (autotuned ones through their Autotuner's .fn)
-    that no other JITFunction of the module calls (those are inlined helpers)."""
+    that no other JITFunction of the module calls or passes on (those are inlined helpers, or a scan's
+    combine function)."""
     import re
 
     from triton.runtime.autotuner import Autotuner
@@ -294,7 +295,7 @@ def _kernels_of(module) -> dict[str, object]:
         name
         for name in fns
         for other in fns.values()
-        if other.__name__ != name and re.search(rf"\b{name}\s*\(", other.src)
+        if other.__name__ != name and re.search(rf"\b{name}\s*\(|[(,]\s*{name}\s*[,)]", other.src)
     }
     return {name: fn for name, fn in fns.items() if name not in called}
 
