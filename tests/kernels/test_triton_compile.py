@@ -42,6 +42,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = (
     "kernels.cema.triton",
+    "kernels.cema.tensor_cores",
     "kernels.timestep_norm.triton",
     "kernels.attention.triton",
     "kernels.attention.probs",
@@ -133,6 +134,25 @@ def _cema(b, length, d, n, dtype, bidirectional=False, padding=False, state=Fals
         torch.ones_like(y), *gh, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, states_b, bidirectional,
         state, None,
     )  # fmt: skip
+
+
+def _cema_tc(b, length, d, n, dtype, bidirectional=False, padding=False, state=False):
+    """kernels.cema.tensor_cores: the custom ops' implementations on meta tensors, as ``_cema`` (q, γ
+    interleaved)."""
+    import torch
+
+    from kernels.cema import tensor_cores as tc
+
+    rows = 2 * d if bidirectional else d
+    x = _meta(b, length, d, dtype=dtype)
+    p, omega, q, g = _meta(rows, n), _meta(d), _meta(rows, n, 2), _meta(rows, n, 2)
+    h0 = (_meta(b, d, n), _meta(b, d, n)) if state else (None, None)
+    pad = torch.zeros(b, length, dtype=torch.int8, device="meta") if padding else None
+    chunk = tc.resolve_chunk(length, None)
+    planes = (q[..., 0], q[..., 1], g[..., 0], g[..., 1])
+    y, h_re, h_im, hb, hs = tc._tc_forward(x, p, *planes, omega, *h0, pad, bidirectional, chunk)
+    gh = (torch.ones_like(h_re), torch.ones_like(h_im)) if state else (None, None)
+    tc._tc_backward(torch.ones_like(y), *gh, x, p, *planes, omega, pad, hb, hs, bidirectional, state, chunk)
 
 
 def _norm(b, length, d, groups, dtype, padding=False, state=False):
@@ -231,6 +251,11 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
         ("7B coefficients D4096 N16", lambda: _cema_coefficients(4096, 16)),
         ("classifier coefficients 2x80 N16", lambda: _cema_coefficients(160, 16)),
     ],
+    "kernels.cema.tensor_cores": [
+        ("7B LM bf16 D4096 N16", lambda: _cema_tc(1, 4096, 4096, 16, _bf16())),
+        ("streaming bf16: carried state in/out", lambda: _cema_tc(1, 4096, 1024, 16, _bf16(), state=True)),
+        ("classifier fp32 bidirectional pad D80", lambda: _cema_tc(2, 1000, 80, 16, _f32(), bidirectional=True, padding=True)),
+    ],
     "kernels.gemv.triton": [
         # the 7B decode packs, bf16 weights: m-pack [Z+E+D, D] with bias, fc2 [D, F] with the residual added
         ("7B decode m-pack bf16 13312x4096 +bias", lambda: _gemv(13312, 4096, _bf16(), True, False)),
@@ -254,7 +279,8 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
 
 def _kernels_of(module) -> dict[str, object]:
     """The module's launchable kernels: its JITFunctions (autotuned ones through their Autotuner's .fn)
-    that no other JITFunction of the module calls (those are inlined helpers)."""
+    that no other JITFunction of the module calls or passes on (those are inlined helpers, or a scan's
+    combine function)."""
     import re
 
     from triton.runtime.autotuner import Autotuner
@@ -269,7 +295,7 @@ def _kernels_of(module) -> dict[str, object]:
         name
         for name in fns
         for other in fns.values()
-        if other.__name__ != name and re.search(rf"\b{name}\s*\(", other.src)
+        if other.__name__ != name and re.search(rf"\b{name}\s*\(|[(,]\s*{name}\s*[,)]", other.src)
     }
     return {name: fn for name, fn in fns.items() if name not in called}
 
