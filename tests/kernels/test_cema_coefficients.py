@@ -221,7 +221,7 @@ def test_one_cema_step_is_nine_kernels_and_no_pytorch_op():
     """Forward and backward of CEMA from the parameters, by either entry point: the coefficient kernel, the
     scan's three kernels, its backward's three and the fixed-order sum of its partials, the coefficient
     backward; no PyTorch device operation (no complex arithmetic, no float64 glue)."""
-    from test_device_ops import DeviceOps, counting_launches
+    from device_ops import DeviceOps, counting_launches
 
     B, L, D, N = 2, 16, 4, 4
     x = torch.randn(B, L, D, requires_grad=True)

@@ -370,7 +370,7 @@ def test_float16_error_within_twice_pytorch(state):
 def test_one_call_is_six_kernels_and_no_pytorch_op():
     """Forward and backward of a call without a carried state: three Triton launches each (statistics, scan,
     output; sums, scan and dweight / dbias sum, dx) and no PyTorch device operation (no float64 glue)."""
-    from test_device_ops import DeviceOps, counting_launches
+    from device_ops import DeviceOps, counting_launches
 
     x = torch.randn(2, 9, 8, requires_grad=True)
     weight, bias = torch.zeros(8, requires_grad=True), torch.zeros(8, requires_grad=True)
