@@ -17,8 +17,8 @@ export PYTHONUNBUFFERED := 1
 
 setup: .venv/.synced
 
-test: .venv/.synced
-	$(PY) -m pytest -q tests
+test: .venv/.synced  # one worker per core (tests pin torch to one thread each), a file's tests on one worker
+	$(PY) -m pytest -q --numprocesses=auto --maxprocesses=4 --dist=loadfile tests
 
 train: .venv/.synced
 	$(PY) run.py recipe=lra_listops $(ARGS)
