@@ -8,6 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from mega_suite.models.llama.decode import LlamaDecoder
+from mega_suite.models.llama.decode import generate as llama_generate
+from mega_suite.models.megalodon.decode import generate as megalodon_generate
 from mega_suite.models.registry import arch_of
 
 
@@ -32,14 +35,10 @@ def generate(
     )  # fmt: skip
     name = arch_of(model.cfg).name
     if name == "megalodon":
-        from mega_suite.models.megalodon.decode import generate as megalodon_generate
-
         return megalodon_generate(model, prompt, max_new_tokens, compile=compile, **kwargs)
     if name == "llama":
         if compile:
             raise ValueError("compile=true applies to Megalodon's static decoder; Llama decodes eagerly")
-        from mega_suite.models.llama.decode import generate as llama_generate
-
         return llama_generate(model, prompt, max_new_tokens, **kwargs)
     raise ValueError(f"no decoder for model.arch={name!r}")
 
@@ -48,7 +47,5 @@ def context_seen(model: nn.Module, position: int) -> int:
     """How many tokens the prediction at ``position`` (0-based) is computed from: all of them for Megalodon,
     the window's for Llama (``LlamaDecoder.context_start``)."""
     if arch_of(model.cfg).name == "llama":
-        from mega_suite.models.llama.decode import LlamaDecoder
-
         return position + 1 - LlamaDecoder(model).context_start(position)
     return position + 1

@@ -27,6 +27,10 @@ from datamodules.tokenizer import TextTokenizer, copy_tokenizer, find_tokenizer
 from mega_suite.config import ConfigError
 from mega_suite.config.resolve import data_module, model_config
 from mega_suite.config.schema import RunConfig
+from mega_suite.evaluation.compare import CompareError
+from mega_suite.evaluation.compare import tokens_per_step as from_config
+from mega_suite.evaluation.generate import run_generate
+from mega_suite.evaluation.passkey import run_passkey
 from mega_suite.models import arch_of, build_model
 from mega_suite.models.bundle import BundleError, is_bundle, load_bundle_into, read_config
 from mega_suite.training.checkpoint import is_sharded_checkpoint, sharded_model_state, strip_prefixes
@@ -126,9 +130,6 @@ def checkpoint_state(path: Path) -> tuple[OrderedDict[str, Tensor], int | None]:
 def tokens_per_step(run_dir: Path | None) -> int | None:
     if run_dir is None:
         return None
-    from mega_suite.evaluation.compare import CompareError
-    from mega_suite.evaluation.compare import tokens_per_step as from_config
-
     try:
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         return from_config(config, run_dir)[0]
@@ -247,19 +248,15 @@ def run_after_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """mode=generate | lm_eval | passkey in ``run_dir``."""
     torch.manual_seed(cfg.seed)
     if cfg.mode == "generate":
-        from mega_suite.evaluation.generate import run_generate
-
         return run_generate(cfg, load_trained(cfg, cfg.ckpt), run_dir)
     if cfg.mode == "lm_eval":
-        from mega_suite.evaluation.harness import run_lm_eval
+        from mega_suite.evaluation.harness import run_lm_eval  # imports lm-evaluation-harness: only here
 
         sources = [cfg.ckpt] if cfg.ckpt else list(cfg.lm_eval.checkpoints)
         if len(sources) == 1 and not cfg.ckpt and Path(sources[0]).is_dir() and not is_bundle(sources[0]):
             sources = step_checkpoints(sources[0])  # a run directory: every periodic checkpoint
         return run_lm_eval(cfg, [lambda s=s: load_trained(cfg, s) for s in sources], run_dir)
     if cfg.mode == "passkey":
-        from mega_suite.evaluation.passkey import run_passkey
-
         return run_passkey(cfg, load_trained(cfg, cfg.ckpt), run_dir)
     raise ConfigError(f"mode={cfg.mode!r} does not use a trained model")
 

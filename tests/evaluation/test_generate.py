@@ -82,12 +82,14 @@ def test_llama_greedy_generation_is_the_argmax_of_its_full_window_forward(stride
 
 def test_compile_true_decodes_through_the_compiled_static_decoder(bundles, tmp_path, capsys, monkeypatch):
     # the compiled StaticDecoder's own equality with the eager step is tests/models/test_decode.py's
-    import mega_suite.models.megalodon.decode as decode
+    import mega_suite.models.generation as generation
 
     calls = []
-    real = decode.generate
+    real = generation.megalodon_generate
     monkeypatch.setattr(
-        decode, "generate", lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False})
+        generation,
+        "megalodon_generate",
+        lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False}),
     )
     args = [f"ckpt={bundles['megalodon']}", "mode=generate", "prompt=And God said", "max_new_tokens=3",
             "temperature=0", "compile=true", f"run_dir={tmp_path}"]  # fmt: skip
