@@ -226,6 +226,11 @@ CUDA_TEST_FILES = (
     "tests/kernels/test_triton_cema.py",
     "tests/kernels/test_triton_timestep_norm.py",
     "tests/kernels/test_triton_gemv.py",
+    "tests/kernels/test_attention_probs.py",
+    "tests/kernels/test_qk_norm_rope.py",
+    "tests/kernels/test_timestep_norm_scan.py",
+    "tests/kernels/test_cema_coefficients.py",
+    "tests/kernels/test_cema_tensor_cores.py",
 )
 
 
