@@ -214,7 +214,10 @@ def test_interleaved_and_separate_planes_give_identical_results():
                                               False, False, 8)  # fmt: skip
         outs.append([y, h_re, h_im, *grads])
     for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        if DEVICE == "cpu":
+            assert torch.equal(a, b)
+        else:  # compiled for other strides, the GPU code may contract its multiply-adds differently
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_one_cema_step_is_nine_kernels_and_no_pytorch_op():
@@ -224,10 +227,10 @@ def test_one_cema_step_is_nine_kernels_and_no_pytorch_op():
     from device_ops import DeviceOps, counting_launches
 
     B, L, D, N = 2, 16, 4, 4
-    x = torch.randn(B, L, D, requires_grad=True)
-    params = [t.float().requires_grad_() for t in parameters(D, N, seed=6)]
-    omega = torch.randn(D, requires_grad=True)
-    cot = torch.randn(B, L, D)
+    x = torch.randn(B, L, D, device=DEVICE, requires_grad=True)
+    params = [t.float().to(DEVICE).requires_grad_() for t in parameters(D, N, seed=6)]
+    omega = torch.randn(D, device=DEVICE, requires_grad=True)
+    cot = torch.randn(B, L, D, device=DEVICE)
 
     def from_parameters():
         return fused.cema_from_parameters(x, *params, omega, chunk_size=8)

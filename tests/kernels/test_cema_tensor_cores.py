@@ -339,9 +339,9 @@ def test_engine_selection(monkeypatch):
             )
     monkeypatch.setattr(kernels.cema, "use_triton", lambda *tensors: True)
     tensors, _ = make_case(1, 20, 3, 4, seed=4)
-    x, p, q, gamma, omega, _ = (None if t is None else t.to(F32[t.is_complex()]) for t in tensors)
+    x, p, q, gamma, omega, _ = (None if t is None else t.to(DEVICE, F32[t.is_complex()]) for t in tensors)
     y_ref = oracles.cema_recurrence(*tensors[:5])[0]
-    params = [t.float() for t in raw_parameters(3, 4, seed=4)]
+    params = [t.float().to(DEVICE) for t in raw_parameters(3, 4, seed=4)]
     for env, method, forced, expected in [
         (None, "auto", None, "scan"),
         ("tc", "auto", None, "tc"),
@@ -361,7 +361,7 @@ def test_engine_selection(monkeypatch):
         finally:
             kernels.cema.force_engine(None)
         assert calls == [expected, expected], (env, method, forced, calls)
-        assert oracles.max_rel_err(y, y_ref) <= 2e-5
+        assert oracles.max_rel_err(y.cpu(), y_ref) <= 2e-5
     monkeypatch.setenv("MEGA_SUITE_CEMA", "gemm")
     with pytest.raises(ValueError, match="MEGA_SUITE_CEMA must be one of .* got 'gemm'"):
         kernels.cema.cema(x, p, q, gamma, omega)

@@ -49,6 +49,7 @@ def inputs(b, length, h, zd, dtype, seed=0):
 def run(fn, z, gamma, beta, chunk, start, out_dtype, cot):
     z, gamma, beta = (t.detach().clone().requires_grad_() for t in (z, gamma, beta))
     q, k = fn(z, gamma, beta, chunk, start, out_dtype)
+    cot = [c.to(q.device) for c in cot]
     ((q.double() * cot[0]).sum() + (k.double() * cot[1]).sum()).backward()
     return [t.detach().double() for t in (q, k, z.grad, gamma.grad, beta.grad)]
 
@@ -139,6 +140,7 @@ def test_bad_shapes_are_clear_errors():
 @needs_device
 def test_the_custom_ops_pass_opcheck_and_compile_without_breaks():
     from kernels.qk_norm_rope import _inv_freq
+    from kernels.qk_norm_rope import triton as _registers_the_ops  # noqa: F401
 
     z, gamma, beta = (t.to(DEVICE) for t in inputs(1, 10, 2, 8, torch.float32))
     inv = _inv_freq(8, BASE, z.device)

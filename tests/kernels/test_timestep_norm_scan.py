@@ -197,6 +197,7 @@ def test_padding_only_segments_hand_the_state_through(monkeypatch):
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[1:] = True
     out, grads = run_fused(leaves, count, mask, G, block_t=2)
+    out, grads = [t.cpu() for t in out], [t.cpu() for t in grads]
     assert (out[0][1:] == 0).all()
     assert torch.equal(out[1][1:], count[1:])
     assert torch.equal(out[2][1:], leaves[3][1:].float()) and torch.equal(out[3][1:], leaves[4][1:].float())
@@ -206,8 +207,8 @@ def test_padding_only_segments_hand_the_state_through(monkeypatch):
     )
     torch.testing.assert_close(grads[3][1:].double(), cot_mean[1:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads[4][1:].double(), cot_var[1:], rtol=1e-6, atol=1e-6)
-    y, (count_none, mean, var) = fused.timestep_norm(leaves[0].float(), leaves[1].float(), leaves[2].float(), G,
-                                                     padding_mask=torch.ones(B, L, dtype=torch.bool))  # fmt: skip
+    y, (count_none, mean, var) = fused.timestep_norm(*(t.float().to(DEVICE) for t in leaves[:3]), G,
+                                                     padding_mask=torch.ones(B, L, dtype=torch.bool, device=DEVICE))  # fmt: skip
     assert (y == 0).all() and (count_none == 0).all() and (mean == 0).all() and (var == 1).all()
 
 
@@ -215,7 +216,8 @@ def test_a_chain_of_segments_equals_one_pass():
     """The Triton state out of one segment, fed into the next, gives the one-pass outputs and state."""
     B, L, D, G = 3, 30, 8, 2
     leaves, _, mask = make(B, L, D, G, seed=11, padding=True)
-    x, weight, bias = (t.float() for t in leaves)
+    x, weight, bias = (t.float().to(DEVICE) for t in leaves)
+    mask = mask.to(DEVICE)
     y_one, s_one = fused.timestep_norm(x, weight, bias, G, padding_mask=mask, block_t=4)
     state, ys = None, []
     for start, end in ((0, 1), (1, 7), (7, 19), (19, 30)):
@@ -232,18 +234,18 @@ def test_a_chain_of_segments_equals_one_pass():
 def test_a_count_beyond_float32_integers_stays_exact():
     """The count is int64 end to end: 2^25 + 1 carried steps plus this segment's valid ones."""
     B, L, D, G = 2, 5, 4, 2
-    x = torch.randn(B, L, D)
-    count0 = torch.tensor([2**25 + 1, 3])
-    mask = torch.tensor([[False, True, False, False, True], [False] * 5])
+    x = torch.randn(B, L, D, device=DEVICE)
+    count0 = torch.tensor([2**25 + 1, 3], device=DEVICE)
+    mask = torch.tensor([[False, True, False, False, True], [False] * 5], device=DEVICE)
     _, (count, _, _) = fused.timestep_norm(
         x,
-        torch.zeros(D),
-        torch.zeros(D),
+        torch.zeros(D, device=DEVICE),
+        torch.zeros(D, device=DEVICE),
         G,
-        state=(count0, torch.zeros(B, G), torch.ones(B, G)),
+        state=(count0, torch.zeros(B, G, device=DEVICE), torch.ones(B, G, device=DEVICE)),
         padding_mask=mask,
     )
-    assert torch.equal(count, torch.tensor([2**25 + 4, 8]))
+    assert torch.equal(count.cpu(), torch.tensor([2**25 + 4, 8]))
 
 
 def _long_oracle(x, weight, bias, G):
@@ -372,8 +374,8 @@ def test_one_call_is_six_kernels_and_no_pytorch_op():
     output; sums, scan and dweight / dbias sum, dx) and no PyTorch device operation (no float64 glue)."""
     from device_ops import DeviceOps, counting_launches
 
-    x = torch.randn(2, 9, 8, requires_grad=True)
-    weight, bias = torch.zeros(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    x = torch.randn(2, 9, 8, device=DEVICE, requires_grad=True)
+    weight, bias = (torch.zeros(8, device=DEVICE, requires_grad=True) for _ in "wb")
     counter = DeviceOps()
     with counting_launches(counter), counter:
         y, _ = fused.timestep_norm(x, weight, bias, 2)
