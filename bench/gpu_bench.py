@@ -386,7 +386,9 @@ def _cema_row(work: rl.Work, method: str = "auto") -> tuple[list[str], float | N
     leaves = tuple(t.requires_grad_() for t in (x, alpha, delta, theta, gamma, omega))
     ct = torch.randn_like(x)
     if method != "auto":  # its own line in the roofline table
-        work = rl.Work(f"{work.name}, {method}", flops=work.flops, simt_flops=work.simt_flops, bytes=work.bytes)
+        work = rl.Work(
+            f"{work.name}, {method}", flops=work.flops, simt_flops=work.simt_flops, bytes=work.bytes
+        )
     with torch.no_grad():
         fwd = try_ms(lambda: cema_from_parameters(*leaves, method=method))
     both = try_ms(lambda: cema_from_parameters(*leaves, method=method).backward(ct), leaves)
