@@ -217,7 +217,7 @@ def test_interleaved_and_separate_planes_give_identical_results():
         if DEVICE == "cpu":
             assert torch.equal(a, b)
         else:  # compiled for other strides, the GPU code may contract its multiply-adds differently
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-5)  # seen on an H200: 4e-6 relative
 
 
 def test_one_cema_step_is_nine_kernels_and_no_pytorch_op():

@@ -82,21 +82,27 @@ def _setattr(owner, name, value):
 
 @contextlib.contextmanager
 def counting_launches(counter: DeviceOps):
-    """Each interpreted Triton kernel launch counts once (a launch inside a launch does not)."""
+    """Each Triton kernel launch counts once (a launch inside a launch does not): interpreted launches on
+    CPU tensors, compiled ones (``JITFunction.run``) on a GPU."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    run = InterpretedFunction.run
+    def counting(run):
+        def counted(self, *args, **kwargs):
+            if counter.in_launch:
+                return run(self, *args, **kwargs)
+            module = self.fn.__module__.removeprefix("kernels.").removesuffix(".triton")
+            counter.record(f"triton {module}.{self.fn.__name__}")
+            counter.in_launch += 1
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                counter.in_launch -= 1
 
-    def counted(self, *args, **kwargs):
-        if counter.in_launch:
-            return run(self, *args, **kwargs)
-        module = self.fn.__module__.removeprefix("kernels.").removesuffix(".triton")
-        counter.record(f"triton {module}.{self.fn.__name__}")
-        counter.in_launch += 1
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            counter.in_launch -= 1
+        return counted
 
-    with _setattr(InterpretedFunction, "run", counted):
+    with (
+        _setattr(InterpretedFunction, "run", counting(InterpretedFunction.run)),
+        _setattr(JITFunction, "run", counting(JITFunction.run)),
+    ):
         yield
