@@ -24,11 +24,13 @@ each stopped at its budget and failing alone; the whole run stops starting stage
    (``kernels.attention.attention_path``) picks, so its thresholds can be settled.
 4. ``block_eager`` (45 s): one 7B-width block, Megalodon beside Llama-2, bf16-mixed, forward + backward, at
    4K and 32K.
-5. ``block_compiled`` (60 s): the same through ``torch.compile`` (Inductor defaults, as
+5. ``block_variants`` (40 s): Megalodon's eager block under each attention variant (causal row blocks, P
+   saved), in one process with the default first and last, to choose the defaults from the block.
+6. ``block_compiled`` (60 s): the same through ``torch.compile`` (Inductor defaults, as
    ``trainer.compile=true`` compiles each block) at 4K.
-6. ``block_reduce_overhead`` (50 s): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs,
+7. ``block_reduce_overhead`` (50 s): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs,
    ``trainer.compile_mode=reduce-overhead``) at 4K, where launch overhead matters.
-7. ``block_compiled_long`` (60 s): ``torch.compile`` at 32K (no target: last, the first cut by the deadline).
+8. ``block_compiled_long`` (60 s): ``torch.compile`` at 32K (no target: last, the first cut by the deadline).
 
 Every timed figure has its analytic FLOPs and bytes (``bench.roofline``), the floor
 max(FLOPs / rate, bytes / copy bandwidth) under the ceilings measured in stage 1, and measured / floor.
@@ -769,6 +771,54 @@ def stage_block_compiled_long() -> Outcome:
     return _compiled(lengths, "block_compiled_long")
 
 
+# The attention choices that timing the kernel alone could not settle (on an H200 one square was faster
+# alone, the block slower with it), each as settings of kernels.attention.probs, timed inside the block.
+BLOCK_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("default", {}),
+    ("one square", {"CAUSAL_ROW_BLOCKS": 1}),
+    ("halves", {"CAUSAL_ROW_BLOCKS": 2}),
+    ("saved P", {"SAVE_PROBS": True}),
+    ("default again", {}),
+)
+
+
+@contextlib.contextmanager
+def _module_settings(module, settings: dict):
+    old = {name: getattr(module, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
+def stage_block_variants() -> Outcome:
+    """Megalodon's eager block at each length under each attention variant, in one process, with the default
+    timed first and last: its drift says how large a difference must be to mean something."""
+    from kernels.attention import probs
+
+    rows = []
+    for length in STATE.sizes.block_lengths:
+        step, grads = block_step("megalodon", length, "eager")
+        base = None
+        for name, settings in BLOCK_VARIANTS:
+            with _module_settings(probs, settings):
+                ms = try_ms(step, grads, rep_ms=300)
+            base = ms if base is None else base
+            rows.append([f"{length // 1024}K" if length >= 1024 else str(length), name, fmt(ms),
+                         fmt(None if ms is None or base is None else ms / base, 3)])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+        del step, grads
+        _empty_cache()
+    body = (
+        "Megalodon's block as in block_eager, under each attention variant (`kernels.attention.probs` settings: "
+        "causal row blocks, P saved for backward); the default first and last.\n\n"
+    )
+    return Outcome(True, body + markdown_table(["L", "attention", "ms", "/ default"], rows))
+
+
 def stage_block_reduce_overhead() -> Outcome:
     length = min(STATE.sizes.block_lengths)
     rows, ratios = _block_table("reduce-overhead", (length,))
@@ -873,6 +923,7 @@ STAGES: list[tuple[str, float, Callable[[], Outcome]]] = [
     ("kernels", 60, stage_kernels),
     ("attention", 60, stage_attention),
     ("block_eager", 45, stage_block_eager),
+    ("block_variants", 40, stage_block_variants),
     ("block_compiled", 60, stage_block_compiled),
     ("block_reduce_overhead", 50, stage_block_reduce_overhead),
     ("block_compiled_long", 60, stage_block_compiled_long),

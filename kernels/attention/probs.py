@@ -21,8 +21,7 @@ possible, else one call per head): no copies of q, k, v. S and dP are float32 (c
 
 Causal chunks can be cut into row blocks of ``row_block`` queries: block r only multiplies keys up to its
 own end, so the GEMMs compute (blocks + 1) / (2 blocks) of the square instead of all of it, and the softmax
-kernels write P / dS only where some GEMM reads them (zeros above the diagonal inside a block). By default
-a chunk is one square (``CAUSAL_ROW_BLOCKS``), the fastest measured on the GPU.
+kernels write P / dS only where some GEMM reads them (zeros above the diagonal inside a block).
 Chunks run in groups of at most ``SCRATCH_LOGITS`` logits, which bounds the scratch buffers (S and dP in
 float32, P and dS in the input dtype: 12 bytes per logit in backward) at long sequences.
 
@@ -69,10 +68,10 @@ DEBUG_NAN_FILL = os.environ.get("MEGA_SUITE_DEBUG_NAN_FILL", "0") == "1"
 # P is recomputed in backward from S = QKᵀ and the saved lse by default: one dk-wide GEMM (dk / (3 (dk + dv))
 # of the minimal FLOPs, 4% at dk 256 / dv 2048) against keeping 2 bytes per logit per layer until backward.
 SAVE_PROBS = os.environ.get("MEGA_SUITE_ATTENTION_SAVE_PROBS", "0") == "1"
-# One square: on the GPU the fewer, larger GEMMs beat skipping the upper triangle (bench/GPU_RESULTS.md,
-# attention: quarters and halves were slower at C 4096); a value above 1 cuts chunks of MIN_BLOCKED_CHUNK+.
-CAUSAL_ROW_BLOCKS = 1
-MIN_BLOCKED_CHUNK = 1024
+# Quarters: alone, one square timed faster on an H200, but the 7B block with it was slower (bench/GPU_RESULTS.md,
+# "Attention row blocks"); gpu-bench's block_variants stage compares them inside the block, in one process.
+CAUSAL_ROW_BLOCKS = 4
+MIN_BLOCKED_CHUNK = 1024  # shorter causal chunks run as one square (unmeasured)
 SCRATCH_LOGITS = 1 << 28  # chunks are processed in groups of at most this many logits (S: 1 GiB in float32)
 
 
@@ -299,7 +298,7 @@ def default_blocks(c: int) -> SoftmaxBlocks:
 
 def default_row_block(c: int, causal: bool) -> int:
     """Queries per causal row block: c (one square) for bidirectional or short chunks, else c split in
-    ``CAUSAL_ROW_BLOCKS`` blocks (1 by default) rounded up to 128 rows (tensor-core friendly GEMM edges)."""
+    ``CAUSAL_ROW_BLOCKS`` blocks rounded up to 128 rows (tensor-core friendly GEMM edges)."""
     if not causal or c < MIN_BLOCKED_CHUNK:
         return c
     return min(c, 128 * math.ceil(c / CAUSAL_ROW_BLOCKS / 128))

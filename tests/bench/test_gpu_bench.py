@@ -81,6 +81,7 @@ def test_the_stages_fit_five_minutes():
         "kernels",
         "attention",
         "block_eager",
+        "block_variants",
         "block_compiled",
         "block_reduce_overhead",
         "block_compiled_long",
@@ -238,10 +239,11 @@ def test_every_timed_stage_runs_end_to_end_on_the_cpu(tmp_path, state, monkeypat
     monkeypatch.setattr(state, "sizes", TINY)
     out = tmp_path / "GPU_RESULTS.md"
     report = gpu_bench.BenchReport(out, "# GPU benchmark\n", state)
-    chosen = [s for s in gpu_bench.STAGES if s[0] in ("ceilings", "kernels", "attention", "block_eager")]
+    stages = ("ceilings", "kernels", "attention", "block_eager", "block_variants")
+    chosen = [s for s in gpu_bench.STAGES if s[0] in stages]
     results = gpu_bench.run_within(chosen, report, deadline_s=600)
     text = out.read_text()
-    assert [r.ok for r in results] == [True] * 4, text[-3000:]
+    assert [r.ok for r in results] == [True] * 5, text[-3000:]
     assert state.ceilings is not None and state.ceilings.source == "measured in this process"
     assert "Ceilings: measured in this process" in text
     section = text[text.index("## kernels: PASS") : text.index("## attention: PASS")]
@@ -253,6 +255,10 @@ def test_every_timed_stage_runs_end_to_end_on_the_cpu(tmp_path, state, monkeypat
     assert "the dispatcher picks `sdpa`" in text and "the dispatcher picks `fused`" in text  # dv 64 <= 256
     blocks = re.findall(r"^\| (64|128) \| (megalodon|llama) \| eager \| ([^|]+) \|", text, re.M)
     assert len(blocks) == 4 and all(ms.strip() != "-" for *_, ms in blocks)
+    section = text[text.index("## block_variants: PASS") :]
+    variants = re.findall(r"^\| (64|128) \| ([a-z PA]+) \| ([^|]+) \| ([^|]+) \|", section, re.M)
+    assert [v for _, v, *_ in variants] == [n for n, _ in gpu_bench.BLOCK_VARIANTS] * 2, variants
+    assert all(ms.strip() != "-" for *_, ms, _ in variants)
     targets = [row[0] for row in state.targets]
     assert any(t.startswith("TimestepNorm fwd+bwd >= 60%") for t in targets)
     assert sum(t.startswith("CEMA fwd+bwd <= 2.5 ms") for t in targets) == 2  # the default and tensor cores

@@ -247,8 +247,6 @@ def test_row_blocks_and_gemm_sizes(monkeypatch):
     one square. The forward's QKᵀ GEMMs compute exactly sum over blocks of rows x end logits."""
     assert probs._row_blocks(10, 4, True) == [(0, 4), (4, 8), (8, 10)]
     assert probs._row_blocks(10, 4, False) == [(0, 10)]
-    assert probs.default_row_block(4096, True) == 4096  # one square by default (the fastest measured)
-    monkeypatch.setattr(probs, "CAUSAL_ROW_BLOCKS", 4)
     assert probs.default_row_block(512, True) == 512
     assert probs.default_row_block(4096, False) == 4096
     assert probs.default_row_block(4096, True) == 1024
