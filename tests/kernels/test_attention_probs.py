@@ -21,17 +21,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_support import DEVICE, needs_device  # noqa: E402
+
 import kernels.attention as attention  # noqa: E402
 import kernels.attention.probs as probs  # noqa: E402
 import kernels.attention.triton as fused  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.attention import reference, sdpa  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-needs_device = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(), reason="needs the Triton interpreter or CUDA"
-)
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
 

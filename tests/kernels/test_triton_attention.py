@@ -18,15 +18,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_support import DEVICE, INTERPRET, gpu_only, needs_device  # noqa: E402
+
 import kernels.attention.triton as fused  # noqa: E402
 from kernels.attention import reference  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-needs_device = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(), reason="needs the Triton interpreter or CUDA"
-)
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA device")
 pytestmark = needs_device
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
