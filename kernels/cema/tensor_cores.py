@@ -62,7 +62,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.cema.reference import check_cema_args
-from kernels.cema.triton import _interleaved, _pair, cema_coefficients_real
+from kernels.cema.triton import _interleaved, _pair, cema_autograd, cema_coefficients_real
 
 __all__ = ["CEMATensorCoreFunction", "CHUNKS", "cema", "cema_from_parameters"]
 
@@ -1034,34 +1034,10 @@ def _(gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, hb, hs, bidire
             p.new_empty(rows, n, 2, dtype=f32), omega.new_empty(omega.shape, dtype=f32), h0(), h0())  # fmt: skip
 
 
-class CEMATensorCoreFunction(torch.autograd.Function):
-    """The interface of ``kernels.cema.triton.CEMAFunction``: q and γ as interleaved (re, im) [R, N, 2]
-    tensors, h0 as (re, im) planes, gradients in the same layouts; ``chunk`` a resolved int."""
-
-    @staticmethod
-    def forward(ctx, x, p, q_ri, g_ri, omega, h0_re, h0_im, pad, bidirectional, chunk):
-        y, h_re, h_im, hb, hs = torch.ops.mega_suite.cema_tc_fwd(
-            x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, h0_re, h0_im, pad,
-            bidirectional, chunk,
-        )  # fmt: skip
-        ctx.save_for_backward(x, pad, p, q_ri, g_ri, omega, hb, hs)
-        ctx.bidirectional, ctx.chunk, ctx.has_h0 = bidirectional, chunk, h0_re is not None
-        ctx.set_materialize_grads(False)
-        return y, h_re, h_im
-
-    @staticmethod
-    def backward(ctx, gy, gh_re, gh_im):
-        x, pad, p, q_ri, g_ri, omega, hb, hs = ctx.saved_tensors
-        if gy is None:
-            gy = torch.zeros_like(x)
-        if ctx.bidirectional:
-            gh_re = gh_im = None
-        dx, g_p, g_q, g_g, g_omega, gh0_re, gh0_im = torch.ops.mega_suite.cema_tc_bwd(
-            gy, gh_re, gh_im, x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, pad, hb, hs,
-            ctx.bidirectional, ctx.has_h0, ctx.chunk,
-        )  # fmt: skip
-        h0_grads = (gh0_re, gh0_im) if ctx.has_h0 else (None, None)
-        return (dx, g_p, g_q, g_g, g_omega, *h0_grads, None, None, None)
+# The interface of ``kernels.cema.triton.CEMAFunction`` over the tensor-core ops (hb, hs: the saved states).
+CEMATensorCoreFunction = cema_autograd(
+    "CEMATensorCoreFunction", torch.ops.mega_suite.cema_tc_fwd, torch.ops.mega_suite.cema_tc_bwd
+)
 
 
 def cema(

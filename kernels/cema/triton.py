@@ -63,6 +63,7 @@ from kernels.cema.reference import check_cema_args
 __all__ = [
     "CEMACoefficientsFunction",
     "CEMAFunction",
+    "cema_autograd",
     "cema",
     "cema_coefficients",
     "cema_coefficients_real",
@@ -902,37 +903,45 @@ def _(gy, gh_re, gh_im, x, p, q_re, q_im, g_re, g_im, omega, pad, states_f, stat
             omega.new_empty(omega.shape, dtype=torch.float32), h0(), h0())  # fmt: skip
 
 
-class CEMAFunction(torch.autograd.Function):
-    """Real-valued interface: q and γ enter as interleaved (re, im) [R, N, 2] tensors (``view_as_real`` of the
-    complex ones, or the coefficient kernel's outputs) and get their gradients in the same layout, so no
-    complex arithmetic runs in either direction; h0 enters as (re, im) planes. The kernels run inside two
-    custom ops (``mega_suite::cema_fwd`` / ``cema_bwd``), so torch.compile keeps a block that uses them in
-    one graph."""
+def cema_autograd(name: str, fwd_op, bwd_op) -> type[torch.autograd.Function]:
+    """An autograd Function over a pair of CEMA custom ops with the signatures of ``mega_suite::cema_fwd`` /
+    ``cema_bwd`` (the scan's here, the tensor-core form's in ``kernels.cema.tensor_cores``). Real-valued
+    interface: q and γ enter as interleaved (re, im) [R, N, 2] tensors (``view_as_real`` of the complex ones,
+    or the coefficient kernel's outputs) and get their gradients in the same layout, so no complex arithmetic
+    runs in either direction; h0 enters as (re, im) planes. The kernels run inside the custom ops, so
+    torch.compile keeps a block that uses them in one graph."""
 
-    @staticmethod
-    def forward(ctx, x, p, q_ri, g_ri, omega, h0_re, h0_im, pad, bidirectional, chunk):
-        y, h_re, h_im, states_f, states_b = torch.ops.mega_suite.cema_fwd(
-            x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, h0_re, h0_im, pad,
-            bidirectional, chunk,
-        )  # fmt: skip
-        ctx.save_for_backward(x, pad, p, q_ri, g_ri, omega, states_f, states_b)
-        ctx.bidirectional, ctx.chunk, ctx.has_h0 = bidirectional, chunk, h0_re is not None
-        ctx.set_materialize_grads(False)
-        return y, h_re, h_im
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, p, q_ri, g_ri, omega, h0_re, h0_im, pad, bidirectional, chunk):
+            y, h_re, h_im, saved_a, saved_b = fwd_op(
+                x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, h0_re, h0_im, pad,
+                bidirectional, chunk,
+            )  # fmt: skip
+            ctx.save_for_backward(x, pad, p, q_ri, g_ri, omega, saved_a, saved_b)
+            ctx.bidirectional, ctx.chunk, ctx.has_h0 = bidirectional, chunk, h0_re is not None
+            ctx.set_materialize_grads(False)
+            return y, h_re, h_im
 
-    @staticmethod
-    def backward(ctx, gy, gh_re, gh_im):
-        x, pad, p, q_ri, g_ri, omega, states_f, states_b = ctx.saved_tensors
-        if gy is None:
-            gy = torch.zeros_like(x)
-        if ctx.bidirectional:
-            gh_re = gh_im = None
-        dx, g_p, g_q, g_g, g_omega, gh0_re, gh0_im = torch.ops.mega_suite.cema_bwd(
-            gy, gh_re, gh_im, x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, pad, states_f,
-            states_b, ctx.bidirectional, ctx.has_h0, ctx.chunk,
-        )  # fmt: skip
-        h0_grads = (gh0_re, gh0_im) if ctx.has_h0 else (None, None)
-        return (dx, g_p, g_q, g_g, g_omega, *h0_grads, None, None, None)
+        @staticmethod
+        def backward(ctx, gy, gh_re, gh_im):
+            x, pad, p, q_ri, g_ri, omega, saved_a, saved_b = ctx.saved_tensors
+            if gy is None:
+                gy = torch.zeros_like(x)
+            if ctx.bidirectional:
+                gh_re = gh_im = None
+            dx, g_p, g_q, g_g, g_omega, gh0_re, gh0_im = bwd_op(
+                gy, gh_re, gh_im, x, p, q_ri[..., 0], q_ri[..., 1], g_ri[..., 0], g_ri[..., 1], omega, pad, saved_a,
+                saved_b, ctx.bidirectional, ctx.has_h0, ctx.chunk,
+            )  # fmt: skip
+            h0_grads = (gh0_re, gh0_im) if ctx.has_h0 else (None, None)
+            return (dx, g_p, g_q, g_g, g_omega, *h0_grads, None, None, None)
+
+    Function.__name__ = Function.__qualname__ = name
+    return Function
+
+
+CEMAFunction = cema_autograd("CEMAFunction", torch.ops.mega_suite.cema_fwd, torch.ops.mega_suite.cema_bwd)
 
 
 def _interleaved(z: Tensor) -> Tensor:
