@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton_support import DEVICE, needs_device  # noqa: E402
+from triton_support import DEVICE, attention_inputs, attention_padding, needs_device  # noqa: E402
 
 import kernels.attention as attention  # noqa: E402
 import kernels.attention.probs as probs  # noqa: E402
@@ -38,24 +38,6 @@ def nan_filled_buffers(monkeypatch):
     should have written but did not, or one read before it was written, fails the comparison."""
     monkeypatch.setattr(probs, "DEBUG_NAN_FILL", True)
     monkeypatch.setattr(fused, "DEBUG_NAN_FILL", True)
-
-
-def make_inputs(B, L, H, dk, dv, seed, dtype=torch.float32, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, L, H, dk, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)
-    do = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)  # random cotangent
-    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, do))
-
-
-def padding(B, L, C, seed, device=DEVICE):
-    """True = pad. Batch 0: the whole second chunk (if any) plus random holes; batch 1: the first key of
-    every chunk (so causal row 0 of each chunk sees nothing) plus random holes."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(B, L, generator=g) < 0.25
-    mask[0, C : 2 * C] = True
-    mask[1, ::C] = True
-    return mask.to(device)
 
 
 def run_probs(q, k, v, do, C, causal, kpm=None, p=0.0, seed=None, **kw):
@@ -92,8 +74,8 @@ CASES = [(1, 4, True), (7, 16, True), (12, 4, False), (7, 4, True), (33, 8, True
 @pytest.mark.parametrize("L,C,padded", CASES)
 def test_matches_oracle(L, C, padded, causal, save):
     B, H, dk, dv = 2, 2, 16, 32
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=L * 100 + C)
-    kpm = padding(B, L, C, seed=L + C) if padded else None
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=L * 100 + C)
+    kpm = attention_padding(B, L, C, seed=L + C) if padded else None
     got = run_probs(q, k, v, do, C, causal, kpm, save_probs=save)
     assert_close_all(got, run_oracle(q, k, v, do, C, causal, kpm), **FP32)
 
@@ -104,8 +86,8 @@ def test_causal_row_blocks(row_block):
     """Causal chunks cut into row blocks (block r multiplies keys up to its own end only), including blocks
     that do not divide the chunk and tiles of the softmax kernels that straddle two blocks."""
     B, H, dk, dv, L, C = 2, 1, 16, 24, 37, 16
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=row_block)
-    kpm = padding(B, L, C, seed=row_block)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=row_block)
+    kpm = attention_padding(B, L, C, seed=row_block)
     blocks = probs.SoftmaxBlocks(fwd_m=4, fwd_n=16, single=True, bwd_m=4, bwd_n=8)
     with probs.block_config(blocks):
         got = run_probs(q, k, v, do, C, True, kpm, row_block=row_block)
@@ -126,8 +108,8 @@ def test_softmax_tilings(blocks, causal):
     """The forward's two-pass form (rows longer than one tile) and one-row programs, and backward tiles that
     cover a chunk in several pieces, with padding and DropKey."""
     B, H, dk, dv, L, C, p, seed = 2, 2, 16, 32, 50, 40, 0.2, 17
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=3)
-    kpm = padding(B, L, C, seed=3)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=3)
+    kpm = attention_padding(B, L, C, seed=3)
     with probs.block_config(blocks):
         got = run_probs(q, k, v, do, C, causal, kpm, p, seed, row_block=24)
     dropped = probs.dropkey_mask(seed, B, H, L, C, p, device=DEVICE)
@@ -139,8 +121,8 @@ def test_softmax_tilings(blocks, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_dropkey_matches_oracle(causal, save):
     B, H, dk, dv, L, C, p, seed = 2, 2, 16, 32, 21, 8, 0.3, 1234
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=11)
-    kpm = padding(B, L, C, seed=2)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=11)
+    kpm = attention_padding(B, L, C, seed=2)
     got = run_probs(q, k, v, do, C, causal, kpm, p, seed, save_probs=save)
     dropped = probs.dropkey_mask(seed, B, H, L, C, p, device=DEVICE)
     assert 0.15 < dropped.float().mean() < 0.45
@@ -152,8 +134,8 @@ def test_dropkey_stream_is_the_fused_kernels():
     """For one seed both Triton paths drop the same logits: outputs and gradients agree, and differ from
     another seed's."""
     B, H, dk, dv, L, C, p = 2, 2, 16, 32, 19, 8, 0.4
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=6)
-    kpm = padding(B, L, C, seed=6)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=6)
+    kpm = attention_padding(B, L, C, seed=6)
     mine = run_probs(q, k, v, do, C, True, kpm, p, 99)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     o = fused.chunk_attention(*leaves, C, True, kpm, p, seed=99)
@@ -169,7 +151,7 @@ def test_dropkey_stream_is_the_fused_kernels():
 def test_fully_masked_rows_are_zero():
     """An all-padding chunk and causal rows whose only key is padding: zero output, zero gradients."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 12, 4
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=5)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=5)
     kpm = torch.zeros(B, L, dtype=torch.bool, device=DEVICE)
     kpm[0, 4:8] = True  # the whole second chunk of batch 0
     kpm[1, ::C] = True  # causal: row 0 of every chunk of batch 1 sees nothing
@@ -181,7 +163,7 @@ def test_fully_masked_rows_are_zero():
 @needs_device
 @pytest.mark.parametrize("save", [False, True], ids=["recompute", "saved_p"])
 def test_dropkey_p_one_gives_zeros(save):
-    q, k, v, do = make_inputs(1, 9, 2, 16, 8, seed=4)
+    q, k, v, do = attention_inputs(1, 9, 2, 16, 8, seed=4)
     for t in run_probs(q, k, v, do, 4, False, None, 1.0, 3, save_probs=save):
         assert torch.equal(t, torch.zeros_like(t))
 
@@ -191,7 +173,7 @@ def test_strided_inputs_and_broadcast_cotangent():
     """q, k sliced from one packed projection (last-dim slices), v stored [B, h, L, dv] (its (B, nc) batch
     does not merge: one GEMM per (batch, head)), and o.sum()'s stride-0 cotangent."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 16, 8
-    q, k, v, _ = make_inputs(B, L, H, dk, dv, seed=21)
+    q, k, v, _ = attention_inputs(B, L, H, dk, dv, seed=21)
     qk = torch.cat([q, k], dim=-1).requires_grad_()
     v_bhld = v.transpose(1, 2).contiguous().requires_grad_()
     o = probs.chunk_attention(qk[..., :dk], qk[..., dk:], v_bhld.transpose(1, 2), C, True)
@@ -209,8 +191,8 @@ def test_chunk_groups(monkeypatch, save):
     monkeypatch.setattr(probs, "SCRATCH_LOGITS", 2 * 2 * 8 * 8 * 2)  # two chunks of B 2, h 2, c 8
     assert probs._chunk_groups(2, 2, 5, 8) == [(0, 2), (2, 4), (4, 5)]
     B, H, dk, dv, L, C, p, seed = 2, 2, 16, 32, 37, 8, 0.25, 31
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=12)
-    kpm = padding(B, L, C, seed=12)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=12)
+    kpm = attention_padding(B, L, C, seed=12)
     got = run_probs(q, k, v, do, C, True, kpm, p, seed, save_probs=save, row_block=3)
     dropped = probs.dropkey_mask(seed, B, H, L, C, p, device=DEVICE)
     assert_close_all(got, run_oracle(q, k, v, do, C, True, kpm, dropped), **FP32)
@@ -256,7 +238,7 @@ def test_row_blocks_and_gemm_sizes(monkeypatch):
         matmul(a, b, out)
 
     monkeypatch.setattr(probs, "_matmul", spy)
-    q, k, v, _ = make_inputs(1, 10, 1, 16, 8, seed=0)
+    q, k, v, _ = attention_inputs(1, 10, 1, 16, 8, seed=0)
     with torch.no_grad():
         probs.chunk_attention(q, k, v, 10, True, row_block=4)
     assert logits == [4 * 4, 4 * 8, 2 * 10]
@@ -267,9 +249,9 @@ def test_float16_within_twice_torch_error():
     """|probs fp16 - f64| <= 2 |the same computation in plain PyTorch fp16 - f64| + atol, forward and
     gradients, causal with padding (the plain code: masked logits, softmax, P V, autograd, all in fp16)."""
     B, H, dk, dv, L, C = 2, 2, 16, 32, 33, 16
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=13)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=13)
     q, k, v, do = (0.5 * t for t in (q, k, v, do))
-    kpm = padding(B, L, C, seed=13)
+    kpm = attention_padding(B, L, C, seed=13)
     want = run_oracle(q, k, v, do, C, True, kpm)
     got = run_probs(*(t.half() for t in (q, k, v, do)), C, True, kpm)
     leaves = [t.half().requires_grad_() for t in (q, k, v)]
@@ -306,8 +288,8 @@ def test_custom_ops_pass_opcheck(p, save):
     """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes against the real outputs, and
     the ops under AOT dispatch (as torch.compile runs them)."""
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    q, k, v, do = make_inputs(2, 8, 2, 16, 8, seed=4)
-    kpm = padding(2, 8, 4, seed=4)
+    q, k, v, do = attention_inputs(2, 8, 2, 16, 8, seed=4)
+    kpm = attention_padding(2, 8, 4, seed=4)
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE) if p else None
     fwd_args = (q, k, v, kpm, seed, 4, True, p, 8, 2, save)
     torch.library.opcheck(torch.ops.mega_suite.probs_attention_fwd.default, fwd_args, test_utils=tests)
@@ -320,7 +302,7 @@ def test_custom_ops_pass_opcheck(p, save):
 def test_torch_compile_traces_custom_ops():
     """The custom ops keep dynamo from breaking the graph (aot_eager: no inductor codegen on CPU); a ragged
     length puts the padding and the slice inside the graph too."""
-    q, k, v, do = make_inputs(1, 7, 2, 16, 8, seed=1)
+    q, k, v, do = attention_inputs(1, 7, 2, 16, 8, seed=1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     compiled = torch.compile(
         lambda a, b, c: probs.chunk_attention(a, b, c, 4, True), backend="aot_eager", fullgraph=True
@@ -356,7 +338,7 @@ def test_input_errors():
 def test_sdpa_path_matches_oracle(L, C, causal):
     """SDPA per chunk (chunks folded into the batch, a ragged last chunk as a second call), float64 on CPU."""
     B, H, d = 2, 2, 8
-    q, k, v, do = make_inputs(B, L, H, d, d, seed=L + C, dtype=torch.float64, device="cpu")
+    q, k, v, do = attention_inputs(B, L, H, d, d, seed=L + C, dtype=torch.float64, device="cpu")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = sdpa.chunk_attention(*leaves, C, causal)
     o.backward(do)

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton_support import DEVICE, INTERPRET, gpu_only, needs_device  # noqa: E402
+from triton_support import DEVICE, INTERPRET, attention_inputs, attention_padding, gpu_only, needs_device  # noqa: E402
 
 import kernels.attention.triton as fused  # noqa: E402
 from kernels.attention import reference  # noqa: E402
@@ -48,24 +48,6 @@ def fixed_tiles_on_gpu(request):
         return
     with fused.kernel_config(GPU_TEST_TILES):
         yield
-
-
-def make_inputs(B, L, H, dk, dv, seed, dtype=torch.float32, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, L, H, dk, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)
-    do = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)  # random cotangent
-    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, do))
-
-
-def padding(B, L, C, seed, device=DEVICE):
-    """True = pad. Batch 0: the whole second chunk (if any) plus random holes; batch 1: the first key of
-    every chunk (so causal row 0 of each chunk sees nothing) plus random holes."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(B, L, generator=g) < 0.25
-    mask[0, C : 2 * C] = True
-    mask[1, ::C] = True
-    return mask.to(device)
 
 
 def run_fused(q, k, v, do, C, causal, kpm=None, p=0.0, seed=None):
@@ -129,8 +111,8 @@ CASES = [
 @pytest.mark.parametrize("L,C,dv,padded", CASES)
 def test_matches_reference(L, C, dv, padded, causal):
     B, H, dk = 2, 2, 16
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=L * 100 + C)
-    kpm = padding(B, L, C, seed=L + C) if padded else None
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=L * 100 + C)
+    kpm = attention_padding(B, L, C, seed=L + C) if padded else None
     got = run_fused(q, k, v, do, C, causal, kpm)
     want = run_reference64(reference.chunk_attention, q, k, v, do, C, causal, kpm)
     assert_close_all(got, want, **FP32)
@@ -141,8 +123,8 @@ def test_multi_block_chunks_and_split_dv(causal):
     """Several query / key blocks per chunk (BLOCK_M != BLOCK_N), a short last chunk, and the backward's
     separate dV kernel (value width wider than the fused limit)."""
     B, H, dk, dv, L, C = 2, 2, 16, 32, 50, 40
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=7)
-    kpm = padding(B, L, C, seed=3)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=7)
+    kpm = attention_padding(B, L, C, seed=3)
     cfg = fused.KernelConfig(block_m=32, block_n=16, block_dv=16, max_fused_dv=16)
     with fused.kernel_config(cfg):
         got = run_fused(q, k, v, do, C, causal, kpm)
@@ -166,8 +148,8 @@ def test_one_compiled_chunk_for_many_short_lengths(monkeypatch, p):
     monkeypatch.setattr(fused, "_launch", spy)
     B, H, dk, dv, C, seed = 2, 1, 16, 8, 64, 99
     for L in (5, 40, 45, 63):
-        q, k, v, do = make_inputs(B, L, H, dk, dv, seed=L)
-        kpm = padding(B, L, C, seed=L)
+        q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=L)
+        kpm = attention_padding(B, L, C, seed=L)
         got = run_fused(q, k, v, do, C, True, kpm, p, seed)
         dropped = fused.dropkey_mask(seed, B, H, L, C, p, device=DEVICE).cpu()
         want = run_reference64(dropkey_oracle, q, k, v, do, C, True, kpm, dropped)
@@ -178,7 +160,7 @@ def test_one_compiled_chunk_for_many_short_lengths(monkeypatch, p):
 def test_strided_inputs_and_broadcast_cotangent():
     """q, k sliced from one packed projection, v stored [B, h, L, dv], and o.sum()'s stride-0 cotangent."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 11, 8
-    q, k, v, _ = make_inputs(B, L, H, dk, dv, seed=21)
+    q, k, v, _ = attention_inputs(B, L, H, dk, dv, seed=21)
     qk = torch.cat([q, k], dim=-1).requires_grad_()
     v_bhld = v.transpose(1, 2).contiguous().requires_grad_()
     o = fused.chunk_attention(qk[..., :dk], qk[..., dk:], v_bhld.transpose(1, 2), C, True)
@@ -192,7 +174,7 @@ def test_strided_inputs_and_broadcast_cotangent():
 def test_fully_masked_rows_are_zero():
     """An all-padding chunk and causal rows whose only key is padding: zero output, zero gradient."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 12, 4
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=5)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=5)
     kpm = torch.zeros(B, L, dtype=torch.bool, device=DEVICE)
     kpm[0, 4:8] = True  # the whole second chunk of batch 0
     kpm[1, ::C] = True  # causal: row 0 of every chunk of batch 1 sees nothing
@@ -206,8 +188,8 @@ def test_fully_masked_rows_are_zero():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_dropkey_matches_oracle(causal):
     B, H, dk, dv, L, C, p, seed = 2, 2, 16, 32, 21, 8, 0.3, 1234
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=11)
-    kpm = padding(B, L, C, seed=2)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=11)
+    kpm = attention_padding(B, L, C, seed=2)
     got = run_fused(q, k, v, do, C, causal, kpm, p, seed)
     dropped = fused.dropkey_mask(seed, B, H, L, C, p, device=DEVICE).cpu()
     assert 0.15 < dropped.float().mean() < 0.45
@@ -218,7 +200,7 @@ def test_dropkey_matches_oracle(causal):
 def test_widest_heads_with_dropkey():
     """dk = 256 and dv = 2048 (value width in 8 tiles of 256, dV in its own kernel), causal, DropKey."""
     B, H, dk, dv, L, C, p, seed = 1, 1, 256, 2048, 9, 8, 0.2, 5
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=8)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=8)
     q, k = q / 4, k / 4
     with fused.kernel_config(fused.KernelConfig(block_dv=256)):
         got = run_fused(q, k, v, do, C, True, None, p, seed)
@@ -237,15 +219,15 @@ def test_dropkey_mask_depends_on_seed_and_p():
 
 
 def test_dropkey_p_one_gives_zeros():
-    q, k, v, do = make_inputs(1, 9, 2, 16, 8, seed=4)
+    q, k, v, do = attention_inputs(1, 9, 2, 16, 8, seed=4)
     o, dq, dk_, dv_ = run_fused(q, k, v, do, 4, False, None, 1.0, 3)
     for t in (o, dq, dk_, dv_):
         assert torch.equal(t, torch.zeros_like(t))
 
 
 def test_deterministic():
-    q, k, v, do = make_inputs(2, 13, 2, 16, 32, seed=9)
-    kpm = padding(2, 13, 8, seed=9)
+    q, k, v, do = attention_inputs(2, 13, 2, 16, 32, seed=9)
+    kpm = attention_padding(2, 13, 8, seed=9)
     first = run_fused(q, k, v, do, 8, True, kpm, 0.2, 77)
     second = run_fused(q, k, v, do, 8, True, kpm, 0.2, 77)
     for a, b in zip(first, second):
@@ -255,7 +237,7 @@ def test_deterministic():
 def test_float16_within_twice_reference_error():
     """mamba's criterion: |fused - f64| <= 2 |reference in fp16 - f64| + atol."""
     B, H, dk, dv, L, C = 2, 2, 16, 8, 33, 16
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=13)
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=13)
     q, k, v, do = (0.5 * t for t in (q, k, v, do))
     got = run_fused(*(t.half() for t in (q, k, v, do)), C, True)
     want = run_reference64(reference.chunk_attention, q, k, v, do, C, True)
@@ -283,8 +265,8 @@ def test_custom_ops_pass_opcheck(p):
     """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes against the real outputs, and
     the ops under AOT dispatch (as torch.compile runs them)."""
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    q, k, v, do = make_inputs(2, 7, 2, 16, 8, seed=4)
-    kpm = padding(2, 7, 4, seed=4)
+    q, k, v, do = attention_inputs(2, 7, 2, 16, 8, seed=4)
+    kpm = attention_padding(2, 7, 4, seed=4)
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE) if p else None
     fwd_args = (q, k, v, kpm, seed, 4, True, p)
     torch.library.opcheck(torch.ops.mega_suite.chunk_attention_fwd.default, fwd_args, test_utils=tests)
@@ -295,7 +277,7 @@ def test_custom_ops_pass_opcheck(p):
 
 def test_torch_compile_traces_custom_ops():
     """The custom ops keep dynamo from breaking the graph (aot_eager: no inductor codegen on CPU)."""
-    q, k, v, do = make_inputs(1, 7, 2, 16, 8, seed=1)
+    q, k, v, do = attention_inputs(1, 7, 2, 16, 8, seed=1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     compiled = torch.compile(
         lambda a, b, c: fused.chunk_attention(a, b, c, 4, True), backend="aot_eager", fullgraph=True
@@ -329,9 +311,9 @@ def test_dispatch_uses_triton_for_cuda(monkeypatch):
 def test_gpu_large_against_reference(dtype, causal):
     """L=4096, C=1024, dk=128, dv=1024 (split value width): error <= 2 x the reference's in that dtype."""
     B, H, dk, dv, L, C = 1, 2, 128, 1024, 4096, 1024
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=0, dtype=torch.float32, device="cuda")
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=0, dtype=torch.float32, device="cuda")
     q, k = q / dk**0.25, k / dk**0.25
-    kpm = padding(B, L, C, seed=0, device="cuda") if B > 1 else None
+    kpm = attention_padding(B, L, C, seed=0, device="cuda") if B > 1 else None
     want = run_reference64(reference.chunk_attention, q, k, v, do, C, causal, kpm)
     got = run_fused(*(t.to(dtype) for t in (q, k, v, do)), C, causal, kpm)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
@@ -347,9 +329,9 @@ def test_gpu_large_against_reference(dtype, causal):
 @pytest.mark.autotune
 def test_gpu_padding_and_dropkey_bf16():
     B, H, dk, dv, L, C, p, seed = 2, 2, 64, 256, 700, 256, 0.1, 5
-    q, k, v, do = make_inputs(B, L, H, dk, dv, seed=3, device="cuda")
+    q, k, v, do = attention_inputs(B, L, H, dk, dv, seed=3, device="cuda")
     q, k = q / dk**0.25, k / dk**0.25
-    kpm = padding(B, L, C, seed=1, device="cuda")
+    kpm = attention_padding(B, L, C, seed=1, device="cuda")
     got = run_fused(*(t.bfloat16() for t in (q, k, v, do)), C, True, kpm, p, seed)
     dropped = fused.dropkey_mask(seed, B, H, L, C, p, device="cuda").cpu()
     want = run_reference64(dropkey_oracle, q, k, v, do, C, True, kpm, dropped)

@@ -30,3 +30,22 @@ def nan_allocations():
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+def attention_inputs(B, L, H, dk, dv, seed, dtype=torch.float32, device=DEVICE):
+    """q, k [B, L, H, dk], v and a random cotangent do [B, L, H, dv], drawn in float64 from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, L, H, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)
+    do = torch.randn(B, L, H, dv, generator=g, dtype=torch.float64)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, do))
+
+
+def attention_padding(B, L, C, seed, device=DEVICE):
+    """A key padding mask [B, L], True = pad. Batch 0: the whole second chunk (if any) plus random holes;
+    batch 1: the first key of every chunk (so causal row 0 of each chunk sees nothing) plus random holes."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, L, generator=g) < 0.25
+    mask[0, C : 2 * C] = True
+    mask[1, ::C] = True
+    return mask.to(device)
