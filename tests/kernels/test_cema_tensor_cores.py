@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton_support import DEVICE, INTERPRET, gpu_only, nan_allocations, needs_device  # noqa: E402
+from triton_support import DEVICE, INTERPRET, gpu_only, nan_allocations, needs_device, opcheck_cema_ops  # noqa: E402
 
 import kernels.cema  # noqa: E402
 from kernels.cema import reference  # noqa: E402
@@ -236,33 +236,11 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
-OPCHECK = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-
-
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidir"])
 def test_custom_ops_pass_opcheck(bidirectional):
     """torch.library.opcheck of both ops: the schema, the fake shapes / dtypes / strides against the real
     outputs, the op under AOT dispatch."""
-    B, L, D, N = 2, 9, 3, 2
-    g = torch.Generator().manual_seed(0)
-    rows = 2 * D if bidirectional else D
-    x = torch.randn(B, L, D, generator=g).to(DEVICE)
-    p, qr, qi, gr, gi = (0.5 * torch.rand(rows, N, generator=g).to(DEVICE) for _ in range(5))
-    omega = torch.randn(D, generator=g).to(DEVICE)
-    h0 = (
-        (None, None)
-        if bidirectional
-        else tuple(torch.randn(B, D, N, generator=g).to(DEVICE) for _ in range(2))
-    )
-    pad = (torch.rand(B, L, generator=g) < 0.3).to(torch.int8).to(DEVICE)
-    fwd_args = (x, p, qr, qi, gr, gi, omega, *h0, pad, bidirectional, 16)
-    torch.library.opcheck(torch.ops.mega_suite.cema_tc_fwd.default, fwd_args, test_utils=OPCHECK)
-    y, h_re, h_im, hb, hs = torch.ops.mega_suite.cema_tc_fwd(*fwd_args)
-    gh = (None, None) if bidirectional else (torch.randn_like(h_re), torch.randn_like(h_im))
-    bwd_args = (
-        torch.randn_like(y), *gh, x, p, qr, qi, gr, gi, omega, pad, hb, hs, bidirectional, not bidirectional, 16,
-    )  # fmt: skip
-    torch.library.opcheck(torch.ops.mega_suite.cema_tc_bwd.default, bwd_args, test_utils=OPCHECK)
+    opcheck_cema_ops(torch.ops.mega_suite.cema_tc_fwd, torch.ops.mega_suite.cema_tc_bwd, bidirectional, 16)
 
 
 def test_torch_compile_keeps_one_graph():

@@ -49,3 +49,32 @@ def attention_padding(B, L, C, seed, device=DEVICE):
     mask[0, C : 2 * C] = True
     mask[1, ::C] = True
     return mask.to(device)
+
+
+OPCHECK = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def opcheck_cema_ops(fwd_op, bwd_op, bidirectional: bool, chunk: int) -> None:
+    """torch.library.opcheck of a CEMA engine's forward and backward custom ops (the scan's ``cema_fwd`` /
+    ``cema_bwd`` or the tensor-core form's, which share their signatures) on small random inputs."""
+    B, L, D, N = 2, 9, 3, 2
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * D if bidirectional else D
+    x = torch.randn(B, L, D, generator=g).to(DEVICE)
+    p, qr, qi, gr, gi = (0.5 * torch.rand(rows, N, generator=g).to(DEVICE) for _ in range(5))
+    omega = torch.randn(D, generator=g).to(DEVICE)
+    h0 = (
+        (None, None)
+        if bidirectional
+        else tuple(torch.randn(B, D, N, generator=g).to(DEVICE) for _ in range(2))
+    )
+    pad = (torch.rand(B, L, generator=g) < 0.3).to(torch.int8).to(DEVICE)
+    fwd_args = (x, p, qr, qi, gr, gi, omega, *h0, pad, bidirectional, chunk)
+    torch.library.opcheck(fwd_op.default, fwd_args, test_utils=OPCHECK)
+    y, h_re, h_im, saved_a, saved_b = fwd_op(*fwd_args)
+    gh = (None, None) if bidirectional else (torch.randn_like(h_re), torch.randn_like(h_im))
+    bwd_args = (
+        torch.randn_like(y), *gh, x, p, qr, qi, gr, gi, omega, pad, saved_a, saved_b, bidirectional,
+        not bidirectional, chunk,
+    )  # fmt: skip
+    torch.library.opcheck(bwd_op.default, bwd_args, test_utils=OPCHECK)
