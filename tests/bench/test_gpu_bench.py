@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,19 @@ def test_a_stage_gets_only_the_time_left_before_the_deadline(tmp_path, state, mo
     )
     grace = __import__("bench.gpu_check", fromlist=["x"]).STAGE_GRACE_S
     assert budgets == [100 - 30 - grace, 20]
+
+
+def test_the_deadline_counts_from_the_run_not_from_the_process(tmp_path, state, monkeypatch):
+    """A process that imported the module long ago (a test worker alive for an hour) still gets the whole
+    deadline: the clock starts when ``run_within`` is called, not at import."""
+    budgets = []
+    monkeypatch.setattr(
+        gpu_bench, "run_stages", lambda stages, report, results, summary: budgets.append(stages[0][1])
+    )
+    report = gpu_bench.BenchReport(tmp_path / "r.md", "# h\n", state)
+    an_hour_later = lambda: time.monotonic() + 3600.0  # noqa: E731  (the clock of a long-lived worker)
+    results = gpu_bench.run_within([("a", 20, None)], report, deadline_s=600, clock=an_hour_later)
+    assert budgets == [20], [r.body for r in results]
 
 
 def test_warm_children_run_in_parallel_and_a_failure_is_reported(tmp_path, state, monkeypatch):
