@@ -1,14 +1,21 @@
 """Pieces shared by the datamodules: a resumable sampler and loader, per-item seeded augmentation, padding
-collate, seeded splits, a writable cache location and image checks."""
+collate, seeded splits, a writable cache location, image checks, and files written whole or not at all
+(partial files named by host and process, removed on any exit, swept when their writer is gone)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import json
 import logging
 import math
 import os
 import random
+import re
+import shutil
+import socket
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -406,5 +413,162 @@ def check_images(
         for path, problem in zip(paths, pool.map(lambda p: _check_image(Path(p), size), paths)):
             if problem:
                 raise DataError(f"{path} {problem}; {what}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{len(paths)} images checked\n")
+    sweep_partial_files(cache_dir)
+    write_text_atomic(marker, f"{len(paths)} images checked\n")
+
+
+# ---------------------------------------------------------------------------------- files written whole
+_HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+_PARTIAL = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)$")
+FOREIGN_STALE_S = 24 * 3600  # another host's partial file: swept only when unmodified this long
+_START_SLACK_S = 5.0  # process start times from /proc are exact to ~1 s; a writer is never that quick
+
+
+def partial_name(path: str | os.PathLike) -> Path:
+    """The name ``path`` is written under until it is complete: ``<name>.tmp-<host>-<pid>`` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.tmp-{_HOST}-{os.getpid()}")
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from Linux's /proc; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        return int(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def _is_stale(path: Path, host: str, pid: int) -> bool:
+    """Whether the process that wrote partial file ``path`` is gone: on this host, no process ``pid`` runs,
+    or the one that does started after ``path`` was last written (its pid was reused); on another host
+    (a shared file system), ``path`` was not modified for ``FOREIGN_STALE_S``."""
+    mtime = path.lstat().st_mtime
+    if host != _HOST:
+        return time.time() - mtime > FOREIGN_STALE_S
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: alive
+        pass
+    started = _process_start(pid)
+    return started is not None and mtime < started - _START_SLACK_S
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*"))
+    return path.lstat().st_size
+
+
+def sweep_partial_files(folder: str | os.PathLike) -> list[Path]:
+    """Remove the partial files (``partial_name``) in ``folder`` whose writer is gone (a killed preparation),
+    saying in one line what was removed; returns them. Another live process's are kept."""
+    folder = Path(folder)
+    removed, total = [], 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # absent or unreadable: nothing of ours there
+        return removed
+    for entry in sorted(entries):
+        match = _PARTIAL.match(entry.name)
+        try:
+            if match is None or not _is_stale(entry, match["host"], int(match["pid"])):
+                continue
+            size = _size(entry)
+            _remove(entry)
+        except OSError:  # removed meanwhile by another sweep, or not ours to remove
+            continue
+        removed.append(entry)
+        total += size
+    if removed:
+        names = ", ".join(p.name for p in removed)
+        print(
+            f"[mega-suite] removed {len(removed)} partial file(s) ({total / 2**20:.1f} MiB) an interrupted "
+            f"preparation left in {folder}: {names}"
+        )
+    return removed
+
+
+@contextlib.contextmanager
+def partial_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Write ``path`` whole or not at all: the body writes the yielded ``partial_name(path)``, renamed onto
+    ``path`` when the body ends normally and removed whatever else ends it (an error, ``KeyboardInterrupt``,
+    ``SystemExit``). Sweeping what killed writers left is the preparation's, once per folder
+    (``sweep_partial_files``), not every write's: a folder of many shards would be listed once per shard."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        _remove(tmp)  # nothing left after the rename
+
+
+def place_new(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): never replaces a file."""
+    try:
+        os.link(tmp, path)  # fails on an existing name, where a rename would replace it
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+    except OSError:  # a file system without hard links: the check and the rename are two steps there
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (``partial_file``): readers see all of it or nothing."""
+    with partial_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all (``partial_file``)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` whole or not at all (``partial_file``)."""
+    write_text_atomic(path, json.dumps(obj, indent=1))
+
+
+def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
+    """``np.save`` to ``path`` whole or not at all (``partial_file``)."""
+    with partial_file(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
+
+
+def read_json(path: str | os.PathLike) -> dict | None:
+    """A cache's JSON record, or None when it is absent or unreadable (then the cache is rebuilt)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+_USER_AREAS = ("data", "runs")  # the repository's ignored folders for the user's data and runs (.gitignore)
+
+
+def ships_with_repository(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is the repository or lies in a folder it ships (corpora/, recipes/, ...): an error
+    message must never advise removing such a folder."""
+    try:
+        relative = Path(path).resolve().relative_to(REPOSITORY)
+    except ValueError:
+        return False
+    return not relative.parts or relative.parts[0] not in _USER_AREAS

@@ -17,7 +17,13 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from datamodules.common import cache_dir_for, is_writable
+from datamodules.common import (
+    cache_dir_for,
+    is_writable,
+    partial_name,
+    ships_with_repository,
+    sweep_partial_files,
+)
 from datamodules.errors import DataError
 from datamodules.pg19 import SPLIT_DIRS, PG19DataModule
 from datamodules.text_lm import MissingDataError
@@ -40,11 +46,15 @@ def archive_digest(path: Path = ARCHIVE) -> str:
 def unpack(data_dir: Path, archive: Path = ARCHIVE) -> Path:
     """``<data_dir>/kjv`` from ``archive`` unless it is already there (unpacked by us from this archive, or
     the user's own copy); returns it. Where ``data_dir`` is read-only and holds no ``kjv/``, the corpus is
-    unpacked into the per-user cache instead (``common.cache_dir_for``). Unpacks beside the target and
-    renames, so a concurrent or interrupted unpack never leaves a partial corpus under the real name."""
+    unpacked into the per-user cache instead (``common.cache_dir_for``). Unpacks beside the target under a
+    partial name and renames, so a concurrent or interrupted unpack (``KeyboardInterrupt`` included) never
+    leaves a partial corpus under the real name, nor its partial copy (removed, or swept at the next call)."""
     root = data_dir / "kjv"
     digest = archive_digest(archive)
     stamp = root / STAMP
+    if root.exists() and not root.is_dir():
+        raise DataError(f"{root} is a file, where the King James Bible corpus folder kjv/ belongs: expected a "
+                        "folder (or nothing, to have corpora/kjv/kjv.tar.xz unpacked there)")  # fmt: skip
     if root.is_dir() and (not stamp.is_file() or stamp.read_text().strip() == digest):
         return root
     if not root.is_dir() and not is_writable(data_dir):
@@ -53,23 +63,26 @@ def unpack(data_dir: Path, archive: Path = ARCHIVE) -> Path:
         if root.is_dir() and stamp.is_file() and stamp.read_text().strip() == digest:
             return root
     data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / f"kjv.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    sweep_partial_files(data_dir)
+    tmp = partial_name(root)  # a folder: the archive's kjv/ lands in it
+    old = partial_name(root.with_name("kjv.old"))  # our copy from an older archive, moved aside, then removed
     try:
-        with tarfile.open(archive, "r:xz") as tar:
-            tar.extractall(tmp, filter="data")
-    except (tarfile.TarError, OSError, EOFError) as exc:
+        try:
+            with tarfile.open(archive, "r:xz") as tar:
+                tar.extractall(tmp, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise DataError(f"cannot unpack {archive} into {data_dir}: {exc}") from None
+        (tmp / "kjv" / STAMP).write_text(digest + "\n")
+        if root.is_dir():  # unpacked by the suite (its stamp) from an older archive
+            os.replace(root, old)
+        try:
+            os.replace(tmp / "kjv", root)
+        except OSError:  # another process renamed its copy first
+            if not root.is_dir():
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"cannot unpack {archive} into {data_dir}: {exc}") from None
-    (tmp / "kjv" / STAMP).write_text(digest + "\n")
-    if root.is_dir():  # unpacked from an older archive
-        shutil.rmtree(root, ignore_errors=True)
-    try:
-        os.replace(tmp / "kjv", root)
-    except OSError:  # another process renamed its copy first
-        if not root.is_dir():
-            raise
-    shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     print(f"[mega-suite] unpacked the King James Bible ({archive.name}) into {root}")
     return root
 
@@ -120,6 +133,12 @@ class KJVDataModule(PG19DataModule):
         except MissingDataError:
             missing = [d for d in SPLIT_DIRS.values() if not (self.root / d).is_dir() or not any(
                 (self.root / d).glob("*.txt"))]  # fmt: skip
+            if ships_with_repository(self.root):  # e.g. data.data_dir=corpora: never advise removing it
+                raise MissingDataError(
+                    f"data.data_dir={self.data_dir}: {self.root} is a folder the repository ships, not an "
+                    f"unpacked corpus (no books in {', '.join(missing)}): point data.data_dir at a folder of "
+                    "your own (the recipe's default, data, is one); corpora/kjv/kjv.tar.xz is unpacked there"
+                ) from None
             raise MissingDataError(
                 f"data.data_dir={self.data_dir}: {self.root} holds no King James Bible (no books in "
                 f"{', '.join(missing)}), and the suite unpacks corpora/kjv/kjv.tar.xz only where kjv/ is "

@@ -31,6 +31,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from datamodules.common import partial_name, place_new, sweep_partial_files
+from datamodules.errors import DataError
+
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 CLOSE = "]"
 MAX_DEPTH = 10  # nodes at this depth are leaves (root is depth 1)
@@ -156,15 +159,31 @@ def generate_listops(
 ) -> Path:
     """Write ``out_dir/listops-1000/basic_{train,val,test}.tsv`` (header ``Source\\tTarget``).
 
-    Kept trees go, in the order drawn, to train, then val, then test. Files appear atomically (written
-    under a temporary name, renamed when complete). Returns the ``listops-1000`` folder.
+    Kept trees go, in the order drawn, to train, then val, then test. Writes only where none of the three
+    files exists (a ``DataError`` naming those present otherwise, before anything is written): a user's
+    split is never written over. The files appear together (each written under a partial name, renamed
+    when all are complete; removed by anything that ends the generation early, ``KeyboardInterrupt``
+    included). Returns the ``listops-1000`` folder.
     """
     folder = Path(out_dir) / FOLDER
+    finals = {split: folder / name for split, name in SPLIT_FILES.items()}
+    present = [p.name for p in finals.values() if p.exists()]
+    if present:
+        missing = [p.name for p in finals.values() if not p.exists()]
+        have = f"{', '.join(present)} but not {', '.join(missing)}" if missing else ", ".join(present)
+        raise DataError(
+            f"{folder} already holds {have}: the ListOps generator writes the three splits only where none "
+            "of them exists, so it writes nothing over yours. "
+            + (f"Add {', '.join(missing)} from the copy the others came from, or g" if missing else "G")
+            + "enerate into another folder (data.data_dir)"
+        )
     folder.mkdir(parents=True, exist_ok=True)
+    sweep_partial_files(folder)
     sampler = ListOpsSampler(random.Random(seed))
     seen: set[bytes] = set()  # digests, not the ~6 kB strings: the train split alone is ~600 MB of text
     counts = {"train": n_train, "val": n_val, "test": n_test}
-    tmp_paths = {split: folder / f".{name}.{os.getpid()}.tmp" for split, name in SPLIT_FILES.items()}
+    tmp_paths = {split: partial_name(path) for split, path in finals.items()}
+    placed: list[Path] = []
     drawn = 0
     try:
         with tqdm(total=sum(counts.values()), desc="ListOps", unit="tree", disable=not progress) as bar:
@@ -186,9 +205,18 @@ def generate_listops(
                         kept += 1
                         bar.update()
             bar.set_postfix(accepted=f"{len(seen) / drawn:.1%}")
-        for split, name in SPLIT_FILES.items():
-            os.replace(tmp_paths[split], folder / name)
+        for split, path in finals.items():
+            place_new(tmp_paths[split], path)  # never replaces a file that appeared meanwhile
+            placed.append(path)
+        placed = []  # all three are in place: they stay
+    except FileExistsError as exc:
+        raise DataError(
+            f"{exc.filename} appeared while the ListOps generator ran (another process?): "
+            "nothing of it was written over; run again"
+        ) from None
     finally:
+        for path in placed:  # an interrupted set is taken back, so that the folder holds all three or none
+            path.unlink(missing_ok=True)
         for path in tmp_paths.values():
             path.unlink(missing_ok=True)
     return folder
@@ -204,4 +232,7 @@ if __name__ == "__main__":
     parser.add_argument("--n-test", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(generate_listops(args.out_dir, args.n_train, args.n_val, args.n_test, args.seed))
+    try:
+        print(generate_listops(args.out_dir, args.n_train, args.n_val, args.n_test, args.seed))
+    except DataError as exc:
+        parser.exit(2, f"error: {exc}\n")

@@ -225,7 +225,8 @@ class LRADataModule(L.LightningDataModule):
 
 
 class ListOpsDataModule(LRADataModule):
-    """ListOps-1000: ``listops-1000/basic_{train,val,test}.tsv``; generated into ``data_dir`` when absent.
+    """ListOps-1000: ``listops-1000/basic_{train,val,test}.tsv``; generated into ``data_dir`` when all three
+    are absent (some but not all is a ``DataError``: a user's split is never written over).
 
     ``generator_seed`` and ``generate_sizes`` (train, val, test) only matter when the files are generated.
     """
@@ -253,8 +254,8 @@ class ListOpsDataModule(LRADataModule):
 
     @property
     def source_dir(self) -> Path:
-        """``data_dir``, unless the files are absent there and it is read-only: then the cache location."""
-        present = all((self.data_dir / LISTOPS_FOLDER / name).exists() for name in SPLIT_FILES.values())
+        """``data_dir``, unless none of the files is there and it is read-only: then the cache location."""
+        present = any((self.data_dir / LISTOPS_FOLDER / name).exists() for name in SPLIT_FILES.values())
         if present or common.is_writable(self.data_dir):
             return self.data_dir
         return common.cache_dir_for(self.data_dir, "listops_generated")
@@ -264,6 +265,8 @@ class ListOpsDataModule(LRADataModule):
         return {split: self.source_dir / LISTOPS_FOLDER / name for split, name in SPLIT_FILES.items()}
 
     def prepare_data(self) -> None:
+        """Generates the three splits where none exists; some but not all of them is a ``DataError`` (the
+        generator's), and nothing is written."""
         if not all(path.exists() for path in self.files.values()):
             generate_listops(self.source_dir, *self.generate_sizes, seed=self.generator_seed)
 

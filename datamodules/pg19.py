@@ -33,6 +33,7 @@ an empty split folder or a missing tokenizer raises a :class:`~datamodules.DataE
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -44,7 +45,14 @@ import sentencepiece as spm
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from datamodules.common import cache_dir_for, source_signature
+from datamodules.common import (
+    cache_dir_for,
+    read_json,
+    save_npy_atomic,
+    source_signature,
+    sweep_partial_files,
+    write_bytes_atomic,
+)
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -219,8 +227,7 @@ class PG19DataModule(L.LightningDataModule):
 
     def _train_tokenizer(self, path: Path) -> None:
         self._check_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prefix = path.with_name(f"{path.stem}.tmp{os.getpid()}")
+        sweep_partial_files(path.parent)
         spm.set_random_generator_seed(
             _TOKENIZER_SEED
         )  # the sentence sample, so the tokenizer is reproducible
@@ -240,20 +247,20 @@ class PG19DataModule(L.LightningDataModule):
                         raise
                     yield from (line for line in map(str.strip, text.splitlines()) if line)
 
+        buffer = io.BytesIO()  # the model is written whole once trained (a path would be recorded in it)
         try:
-            self._run_trainer(lines(), prefix)
+            self._run_trainer(lines(), buffer)
         except RuntimeError:
             if errors:
                 raise errors[0] from None
             raise
-        os.replace(f"{prefix}.model", path)
-        Path(f"{prefix}.vocab").unlink(missing_ok=True)
+        write_bytes_atomic(path, buffer.getvalue())
 
-    def _run_trainer(self, sentences: Iterator[str], prefix: Path) -> None:
+    def _run_trainer(self, sentences: Iterator[str], model: io.BytesIO) -> None:
         o = self.spm_options
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences,
-            model_prefix=str(prefix),
+            model_writer=model,
             vocab_size=o["vocab_size"],
             model_type=o["model_type"],
             byte_fallback=o["byte_fallback"],
@@ -282,10 +289,12 @@ class PG19DataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Trains the tokenizer if needed and tokenises the three splits once (idempotent)."""
         self._check_layout()
+        sweep_partial_files(self.cache_dir)
         sources = self.sources()
         meta_path = self.token_dir / "meta.json"
-        if meta_path.is_file():
-            meta = json.loads(meta_path.read_text())
+        sweep_partial_files(self.token_dir)
+        meta = read_json(meta_path)
+        if meta is not None:
             if meta.get("format") == _CACHE_FORMAT and meta.get("sources") == sources:
                 return
             if meta.get("format") == _CACHE_FORMAT:
@@ -327,11 +336,11 @@ class PG19DataModule(L.LightningDataModule):
             if split != "train":
                 counts = np.concatenate(ends)
                 assert counts.sum() == words and len(counts) == offsets[-1]
-                np.save(
+                save_npy_atomic(
                     self.token_dir / f"{split}.words.npy", counts.astype(token_dtype(int(counts.max()) + 1))
                 )
-            np.save(self.token_dir / f"{split}.offsets.npy", np.asarray(offsets, dtype=np.int64))
-            (self.token_dir / f"{split}.books.txt").write_text("".join(f"{p.stem}\n" for p in files))
+            save_npy_atomic(self.token_dir / f"{split}.offsets.npy", np.asarray(offsets, dtype=np.int64))
+            write_text_atomic(self.token_dir / f"{split}.books.txt", "".join(f"{p.stem}\n" for p in files))
             num_words[split] = words
         write_json_atomic(
             meta_path,

@@ -44,7 +44,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from datamodules.common import cache_dir_for
+from datamodules.common import cache_dir_for, read_json, sweep_partial_files
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -298,7 +298,7 @@ class PretrainDataModule(L.LightningDataModule):
     def _content_digests(self) -> dict[Path, str]:
         """SHA-256 of each input file's bytes, remembered by path, size and mtime (read once per change)."""
         memo_path = self.cache_dir / "content_digests.json"
-        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+        memo = read_json(memo_path) or {}
         out, changed = {}, False
         for path in self.input_files():
             stat = path.stat()
@@ -356,6 +356,8 @@ class PretrainDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Tokenises every input file not tokenised yet (one shard pair per file; idempotent)."""
         files = self.input_files()
+        sweep_partial_files(self.cache_dir)
+        sweep_partial_files(self.token_dir)
         todo = [p for p in files if not (self.token_dir / f"{self._shard_key(p)}.json").is_file()]
         if not todo:
             return

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import lightning as L
@@ -32,7 +31,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from datamodules.common import ResumableDataLoader, ResumableSampler, cache_dir_for, source_signature
+from datamodules.common import (
+    ResumableDataLoader,
+    ResumableSampler,
+    cache_dir_for,
+    partial_file,
+    read_json,
+    save_npy_atomic,
+    source_signature,
+    sweep_partial_files,
+    write_json_atomic,
+    write_text_atomic,
+)
 from datamodules.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -153,7 +163,8 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         process per node); again when a clip was changed, added or removed since."""
         meta_path = self.cache_dir / "meta.json"
         sources = source_signature([p for p, _ in self._wav_files()], self.root)
-        if meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") != sources:
+        sweep_partial_files(self.cache_dir)
+        if meta_path.is_file() and (read_json(meta_path) or {}).get("sources") != sources:
             print(
                 f"[mega-suite] the clips under {self.root} changed since {self.cache_dir} was built: decoding again"
             )
@@ -186,31 +197,31 @@ class SpeechCommandsDataModule(L.LightningDataModule):
         keep = [(p, y) for p, y in files if self._frames(p) == CLIP_SAMPLES]
         if not keep:
             raise DataError(f"no clip of exactly {CLIP_SAMPLES} samples under {self.root}")
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.cache_dir / f"waveforms.tmp{os.getpid()}.npy"
-        waves = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int16, shape=(len(keep), CLIP_SAMPLES))
-        # the bar is closed on an error too, so that the error line starts a line of its own
-        with tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips") as bar:
-            for i, (path, _) in enumerate(bar):
-                try:
-                    audio, rate = soundfile.read(str(path), dtype="int16")
-                except (RuntimeError, soundfile.LibsndfileError) as e:
-                    raise DataError(
-                        f"{path} is not a readable WAV file ({e}); expected 16 kHz mono"
-                    ) from None
-                if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
-                    raise DataError(
-                        f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
-                        f"{CLIP_SAMPLES} samples as its header says"
-                    )
-                waves[i] = audio
-        waves.flush()
-        del waves
-        np.save(self.cache_dir / "labels.npy", np.asarray([y for _, y in keep], dtype=np.int64))
-        os.replace(tmp, self.cache_dir / "waveforms.npy")
-        (self.cache_dir / "files.txt").write_text("".join(f"{p.relative_to(self.root)}\n" for p, _ in keep))
+        with partial_file(self.cache_dir / "waveforms.npy") as tmp:
+            waves = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int16, shape=(len(keep), CLIP_SAMPLES))
+            # the bar is closed on an error too, so that the error line starts a line of its own
+            with tqdm(keep, desc="decoding Speech Commands SC10", unit=" clips") as bar:
+                for i, (path, _) in enumerate(bar):
+                    try:
+                        audio, rate = soundfile.read(str(path), dtype="int16")
+                    except (RuntimeError, soundfile.LibsndfileError) as e:
+                        raise DataError(
+                            f"{path} is not a readable WAV file ({e}); expected 16 kHz mono"
+                        ) from None
+                    if audio.shape != (CLIP_SAMPLES,) or rate != 16000:
+                        raise DataError(
+                            f"{path}: decoded {audio.shape} samples at {rate} Hz, expected 16 kHz mono of "
+                            f"{CLIP_SAMPLES} samples as its header says"
+                        )
+                    waves[i] = audio
+            waves.flush()
+            del waves
+            save_npy_atomic(self.cache_dir / "labels.npy", np.asarray([y for _, y in keep], dtype=np.int64))
+        write_text_atomic(
+            self.cache_dir / "files.txt", "".join(f"{p.relative_to(self.root)}\n" for p, _ in keep)
+        )
         meta = {"clips": len(keep), "scanned": len(files), "words": list(SC10_WORDS), "sources": sources}
-        (self.cache_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_json_atomic(self.cache_dir / "meta.json", meta)  # last: the cache is complete
 
     def _split(self, labels: np.ndarray) -> dict:
         """Split indices and training statistics for ``split_seed``, computed once and cached."""
@@ -226,9 +237,8 @@ class SpeechCommandsDataModule(L.LightningDataModule):
             count = len(split["train"]) * CLIP_SAMPLES
             mean = total / count
             std = np.sqrt(max(total_sq / count - mean**2, 0.0) * count / max(count - 1, 1))  # torch.std's
-            tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
-            np.savez(tmp, **split, mean=mean, std=std)
-            os.replace(tmp, path)
+            with partial_file(path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, **split, mean=mean, std=std)
         with np.load(path) as f:
             return {k: f[k] for k in f.files}
 

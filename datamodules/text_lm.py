@@ -2,8 +2,8 @@
 evaluation segments.
 
 Token files are raw little-endian arrays (``uint16`` when the vocabulary fits in 16 bits, else ``uint32``), the
-nanoGPT ``train.bin`` format: written once through :class:`TokenFileWriter` (to a temporary name, renamed on
-success, so an interrupted build never leaves a file that looks complete) and read back through
+nanoGPT ``train.bin`` format: written once through :class:`TokenFileWriter` (to a partial name, renamed on
+success and removed otherwise, so an interrupted build never leaves a file behind) and read back through
 :class:`TokenStream`, which opens its memory maps lazily in each process (a DataLoader worker pickles the
 path, never the mapped data).
 
@@ -25,7 +25,6 @@ shorter.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -37,7 +36,13 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from datamodules import common
-from datamodules.common import ResumableDataLoader, ResumableSampler
+from datamodules.common import (  # noqa: F401  (the atomic writers: imported from here too)
+    ResumableDataLoader,
+    ResumableSampler,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from datamodules.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -77,13 +82,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 class TokenFileWriter:
     """Appends token arrays to ``path`` (raw ``dtype`` values); the file appears under its name only on
-    :meth:`close` after a clean exit of the ``with`` block."""
+    :meth:`close` after a clean exit of the ``with`` block. Until then it is ``common.partial_name(path)``,
+    removed by whatever else ends the block (an error, ``KeyboardInterrupt``, ``SystemExit``)."""
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype):
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        self._tmp = common.partial_name(self.path)
         self._file = open(self._tmp, "wb")
         self.num_tokens = 0
 
@@ -95,12 +101,17 @@ class TokenFileWriter:
         self.num_tokens += array.size
 
     def close(self) -> None:
-        self._file.close()
-        os.replace(self._tmp, self.path)
+        try:
+            self._file.close()
+            os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)  # nothing left after the rename
 
     def abort(self) -> None:
-        self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        try:
+            self._file.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> TokenFileWriter:
         return self
@@ -110,20 +121,6 @@ class TokenFileWriter:
             self.close()
         else:
             self.abort()
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Writes ``obj`` as JSON under a temporary name, then renames it: readers see all of it or nothing."""
-    write_text_atomic(path, json.dumps(obj, indent=1))
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes ``text`` under a temporary name, then renames it: readers see all of it or nothing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class TokenStream:
@@ -427,10 +424,8 @@ def train_sentencepiece(
         minloglevel=2,
     )
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, path)
+    common.sweep_partial_files(path.parent)
+    write_bytes_atomic(path, buffer.getvalue())
     return path
 
 

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from datamodules.common import partial_file, sweep_partial_files
 from datamodules.errors import DataError
 from datamodules.pretrain import DocumentTokenizer
 from datamodules.text_lm import MissingDataError, reservoir, train_sentencepiece
@@ -71,8 +72,7 @@ def copy_tokenizer(source: str | os.PathLike, folder: str | os.PathLike) -> Path
     if not source.is_file():
         raise MissingDataError(f"tokenizer {source} does not exist")
     out = Path(folder) / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, out)
+    sweep_partial_files(out.parent)
+    with partial_file(out) as tmp:
+        shutil.copyfile(source, tmp)
     return out

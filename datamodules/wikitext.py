@@ -38,7 +38,13 @@ import numpy as np
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from datamodules.common import cache_dir_for, source_signature
+from datamodules.common import (
+    cache_dir_for,
+    read_json,
+    source_signature,
+    sweep_partial_files,
+    write_text_atomic,
+)
 from datamodules.errors import DataError
 from datamodules.text_lm import (
     MissingDataError,
@@ -162,7 +168,8 @@ class WikiText103DataModule(L.LightningDataModule):
         before it was recorded) is removed, so that a changed split is read again."""
         sources = source_signature([self.root / n for n in SPLIT_FILES.values()], self.root)
         meta_path = self.cache_dir / "meta.json"
-        if meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") != sources:
+        sweep_partial_files(self.cache_dir)
+        if meta_path.is_file() and (read_json(meta_path) or {}).get("sources") != sources:
             print(f"[mega-suite] {self.root} changed since {self.cache_dir} was built: building it again")
             for name in ("meta.json", "vocab.txt"):
                 (self.cache_dir / name).unlink(missing_ok=True)
@@ -207,10 +214,7 @@ class WikiText103DataModule(L.LightningDataModule):
             path = self.cache_dir / "vocab.txt"
             if not path.is_file():
                 counts = build_vocabulary(self.root / SPLIT_FILES["train"])
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"vocab.txt.tmp{os.getpid()}")
-                tmp.write_text("".join(f"{w} {c}\n" for w, c in counts), encoding="utf-8")
-                os.replace(tmp, path)
+                write_text_atomic(path, "".join(f"{w} {c}\n" for w, c in counts))
             with open(path, encoding="utf-8") as f:
                 self._vocab = [line.split(" ")[0] for line in f]
         return self._vocab
