@@ -126,7 +126,7 @@ class ComplexEMA(nn.Module):
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         """(p, q, gamma) of docs/architecture.md#cema, from the parameters as they are now."""
         # Not cached: a parameter's version counter does not move under the fused AdamW step or FSDP2's
-        # all-gather, so a cache keyed on it outlived training steps. One-token decoding packs them per plan.
+        # all-gather, so a cache keyed on it would outlive training steps. One-token decoding packs them per plan.
         return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
 
     def forward(
