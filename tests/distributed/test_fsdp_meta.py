@@ -54,6 +54,20 @@ def _single_process_init(name):
     return model
 
 
+def _module(meta_init: bool):
+    from mega_suite.training.module import CausalLM
+
+    return CausalLM(
+        _config("megalodon"), optim={}, trainer={}, total_steps=1, meta_init=meta_init, init_seed=SEED
+    )
+
+
+def _disturb_global_generator(k: int) -> None:
+    """Leave the global generator anywhere but at ``SEED``'s start (a different place for each ``k``)."""
+    torch.manual_seed(1000 + k)
+    torch.rand(3 + k)
+
+
 def _full_state(model):
     out = {}
     for key, value in model.state_dict().items():
@@ -87,6 +101,12 @@ def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         out = model(tokens)[0] if name != "classifier" else model(tokens)
         out.float().square().mean().backward()
         result[name] = dict(state=_full_state(model), bytes=resident_parameter_bytes(model), tied=tied)
+    # The training module's path (configure_model): its own init_seed, whatever each rank's generator holds.
+    module = _module(meta_init=True)
+    apply_fsdp(module.model)
+    _disturb_global_generator(rank)
+    module.materialize(sharded=True)
+    result["module"] = dict(state=_full_state(module.model))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -97,7 +117,8 @@ def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_sharded_meta_init_equals_single_process_init():
     """Full parameters and buffers after meta -> fully_shard -> to_empty -> init_sharded on 2 ranks ==
     to_empty + init_weights on one process (same seed), for both architectures, tied weights and a classifier;
-    tied weights stay tied; each rank holds about 1 / world of the parameter bytes."""
+    tied weights stay tied; each rank holds about 1 / world of the parameter bytes. The same through the
+    training module's ``materialize`` with each rank's global generator disturbed."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_init_worker, world, world, free_port(), tmp)
@@ -117,6 +138,24 @@ def test_sharded_meta_init_equals_single_process_init():
         assert sum(per_rank) >= total
         for b in per_rank:  # uneven dims (vocab 37) pad by at most one row per parameter
             assert abs(b - total / world) <= 0.1 * total / world, (name, per_rank, total)
+    expected = _single_process_init("megalodon").state_dict()
+    for r in range(world):  # the module seeds its initialisation: a disturbed generator changes nothing
+        got = ranks[r]["module"]["state"]
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), f"module: {key} differs on rank {r}"
+
+
+def test_module_initialisation_draws_from_its_own_seed():
+    """The training module initialises from ``init_seed`` whatever the global generator holds (Lightning's
+    re-seeding before ``configure_model`` must not be what makes runs agree)."""
+    expected = _single_process_init("megalodon").state_dict()
+    for k in range(2):
+        _disturb_global_generator(k)
+        got = _module(meta_init=False).model.state_dict()
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
 
 
 def test_sharded_init_draws_differ_per_parameter():

@@ -124,16 +124,10 @@ class ComplexEMA(nn.Module):
         nn.init.trunc_normal_(self.omega, 0.0, 0.25, -1.0, 1.0)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(p, q, gamma) of docs/architecture.md#cema; without autograd (decoding) cached until a parameter changes."""
-        if torch.is_grad_enabled():
-            return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
-        params = (self.alpha, self.delta, self.theta, self.gamma)
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in params)
-        cached = getattr(self, "_coefficient_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, cema_coefficients(*params))
-            self._coefficient_cache = cached
-        return cached[1]
+        """(p, q, gamma) of docs/architecture.md#cema, from the parameters as they are now."""
+        # Not cached: a parameter's version counter does not move under the fused AdamW step or FSDP2's
+        # all-gather, so a cache keyed on it would outlive training steps. One-token decoding packs them per plan.
+        return cema_coefficients(self.alpha, self.delta, self.theta, self.gamma)
 
     def forward(
         self,
