@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from torch.utils.data import Dataset, Subset
 from . import common
 from .common import random_split_indices
 from .errors import DataError
+from .safe_pickle import restricted_load
 from .lra import LRA_SOURCE, LRADataModule, _require
 
 CIFAR_SOURCE = (
@@ -132,7 +132,7 @@ class CIFAR10GrayDataModule(LRADataModule):
         for file in files:
             try:
                 with open(file, "rb") as f:
-                    batch = pickle.load(f, encoding="bytes")
+                    batch = restricted_load(f, _cifar_global, encoding="bytes")
                 data = np.asarray(batch[b"data"], dtype=np.uint8)
                 label = np.asarray(batch[b"labels"], dtype=np.int64)
                 if data.ndim != 2 or data.shape[1] != 3072 or label.shape != (len(data),):
@@ -145,6 +145,17 @@ class CIFAR10GrayDataModule(LRADataModule):
             pixels.append(rgb_to_gray(data))
             labels.append(label)
         return np.concatenate(pixels), np.concatenate(labels)
+
+
+# What a CIFAR-10 python batch (NumPy arrays in a dict, pickled by Python 2 or 3) may name; anything else in
+# one of its files is refused before it could run.
+_NUMPY = {"numpy", "numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric", "numpy._core.numeric"}
+
+
+def _cifar_global(module: str, name: str) -> bool:
+    if module in _NUMPY:
+        return name in ("ndarray", "dtype", "_reconstruct", "_frombuffer", "scalar")
+    return (module, name) == ("_codecs", "encode")  # Python 2 byte strings
 
 
 class PathfinderDataModule(LRADataModule):

@@ -1,49 +1,35 @@
-"""Checks of the keys of the modes that use a trained model (generate, lm_eval, passkey) and of periodic
-checkpoints, run at load with the rest of ``config.checks`` (docs/after_training.md)."""
+"""What the modes that use a trained model (generate, lm_eval, passkey) need, and the periodic checkpoints'
+keys, checked at load with the rest of ``config.checks`` (docs/after_training.md). Keys a mode does not read
+are refused by ``checks.check_mode_keys`` (``schema.MODE_KEYS``)."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from mega_suite.config.schema import ConfigError, LmEvalSection, PasskeySection, RunConfig
+from mega_suite.config.schema import ConfigError
 
 AFTER_MODES = ("generate", "lm_eval", "passkey")
-GENERATE_KEYS = ("prompt", "prompt_file", "max_new_tokens", "temperature", "top_k", "top_p", "compile")
-
-
-def _defaults() -> dict[str, tuple[str, object]]:
-    """key -> (the mode that reads it, its default)."""
-    out: dict[str, tuple[str, object]] = {k: ("generate", getattr(RunConfig, k)) for k in GENERATE_KEYS}
-    for section, owner in ((LmEvalSection(), "lm_eval"), (PasskeySection(), "passkey")):
-        out.update({f"{owner}.{k}": (owner, v) for k, v in vars(section).items()})
-    return out
 
 
 def validate_after(cfg: DictConfig) -> None:
     mode = cfg.mode
-    for key, (owner, default) in _defaults().items():  # keys one mode reads are refused in the others
-        value = OmegaConf.select(cfg, key)
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value, resolve=True)
-        if mode != owner and value != default:
-            raise ConfigError(f"{key}={value} is read by mode={owner} only (mode={mode})")
-    if cfg.tokenizer and mode not in AFTER_MODES:
-        raise ConfigError(
-            f"tokenizer={cfg.tokenizer} is read by mode={'/'.join(AFTER_MODES)} only (mode={mode})"
-        )
     _validate_checkpoints(cfg.trainer)
+    if mode in ("validate", "test") and not (cfg.ckpt or cfg.resume):
+        raise ConfigError(f"mode={mode} needs ckpt=PATH (or resume=auto / a run folder)")
+    if mode == "eval_context" and cfg.task != "lm":
+        raise ConfigError(f"mode=eval_context needs task=lm (a language model), got task={cfg.task}")
     if mode not in AFTER_MODES:
         return
     if cfg.task != "lm":
         raise ConfigError(f"mode={mode} needs a language model (task=lm), got task={cfg.task}")
     if not cfg.ckpt and not (mode == "lm_eval" and cfg.lm_eval.checkpoints):
         raise ConfigError(
-            f"mode={mode} needs ckpt=PATH: a checkpoint, a run directory (its checkpoints/last.ckpt) or an "
+            f"mode={mode} needs ckpt=PATH: a checkpoint, a run folder (its newest checkpoint) or an "
             "exported bundle" + (" (or lm_eval.checkpoints=[...])" if mode == "lm_eval" else "")
         )
-    if mode == "generate":
-        _validate_generate(cfg)
-    elif mode == "lm_eval":
+    if mode == "generate" and bool(cfg.prompt) == bool(cfg.prompt_file):
+        raise ConfigError('mode=generate needs prompt="TEXT" or prompt_file=PATH (one of them)')
+    if mode == "lm_eval":
         e = cfg.lm_eval
         if not e.tasks:
             raise ConfigError(
@@ -51,11 +37,6 @@ def validate_after(cfg: DictConfig) -> None:
             )
         if cfg.ckpt and e.checkpoints:
             raise ConfigError("give ckpt=PATH or lm_eval.checkpoints=[...], not both")
-
-
-def _validate_generate(cfg: DictConfig) -> None:
-    if bool(cfg.prompt) == bool(cfg.prompt_file):
-        raise ConfigError('mode=generate needs prompt="TEXT" or prompt_file=PATH (one of them)')
 
 
 def _validate_checkpoints(t: DictConfig) -> None:

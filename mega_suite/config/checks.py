@@ -1,5 +1,9 @@
-"""Checks of a whole configuration against itself, the data module's contract and the mode, run at load so
-that a mistake is one clear error before anything is created (docs/configuration.md)."""
+"""Checks of a whole configuration against itself, the data module's contract, the architecture and the mode,
+run at load so that a mistake is one clear error before anything is created (docs/configuration.md).
+
+Nothing here imports torch or reads a file: the files a run names are checked by the run plan
+(``mega_suite.config.run_plan``), after these.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mega_suite.config.after import validate_after
 from mega_suite.config.resolve import (
     accumulation,
+    data_arguments,
     data_contract,
-    data_module,
     data_num_classes,
     data_option,
-    model_config,
+    megalodon_config,
     tokens_per_sequence,
 )
 from mega_suite.config.schema import (
@@ -20,9 +24,18 @@ from mega_suite.config.schema import (
     COMPILE_MODES,
     CUDAGRAPH_MODES,
     FLOAT32_MATMUL_PRECISIONS,
+    MODE_KEYS,
     RANGES,
     ConfigError,
+    RunConfig,
 )
+from mega_suite.models import ARCHS
+
+# What to do instead, when a key is set in a mode that does not read it.
+_INSTEAD = {
+    ("ckpt", "fit"): "continue a run with resume=PATH, or start one from those weights with init_from=PATH",
+    ("init_from", None): "pass the checkpoint as ckpt=PATH",
+}
 
 
 def validate(cfg: DictConfig, user_classes: int | None = None) -> None:
@@ -32,13 +45,10 @@ def validate(cfg: DictConfig, user_classes: int | None = None) -> None:
             raise ConfigError(f"{key}={value!r} is invalid; expected one of {', '.join(map(str, choices))}")
     check_ranges(cfg)
     _validate_data(cfg, user_classes)
-    _validate_mode(cfg)
-    validate_after(cfg)  # generate / lm_eval / passkey and periodic checkpoints
+    check_mode_keys(cfg)
+    validate_after(cfg)  # what generate / lm_eval / passkey need, and periodic checkpoints
     _validate_trainer(cfg)
-    try:
-        model_config(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    _validate_model(cfg)
 
 
 def check_ranges(cfg: DictConfig) -> None:
@@ -53,11 +63,35 @@ def check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is out of range; expected {problem}")
 
 
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def check_mode_keys(cfg: DictConfig) -> None:
+    """A key only some modes read (``MODE_KEYS``), set to anything but its default in another mode, is
+    refused: it would do nothing there."""
+    mode, defaults = cfg.mode, OmegaConf.structured(RunConfig)
+    for key, modes in MODE_KEYS.items():
+        if mode in modes:
+            continue
+        ours, theirs = _plain(OmegaConf.select(cfg, key)), _plain(OmegaConf.select(defaults, key))
+        if ours == theirs:
+            continue
+        if isinstance(ours, dict):  # a section: name the first key that is set
+            key, ours = next((f"{key}.{k}", v) for k, v in ours.items() if v != theirs.get(k))
+        instead = _INSTEAD.get((key, mode)) or _INSTEAD.get((key, None))
+        raise ConfigError(
+            f"{key}={ours} is read by mode={'/'.join(modes)} only (mode={mode})"
+            + (f": {instead}" if instead else "")
+        )
+
+
 def _validate_data(cfg: DictConfig, user_classes: int | None) -> None:
-    """data.* against the data module; task, model.num_classes / input_type / dual_input against its contract."""
+    """data.* and data.options against the data module's contract; task, model.num_classes / input_type /
+    dual_input against it."""
     name, task, m = cfg.data.name, cfg.task, cfg.model
-    cls, _ = data_module(cfg)
-    contract = data_contract(cls)
+    contract = data_contract(cfg)
+    data_arguments(cfg)  # every data option declared, of its type and in its range
     if contract.task != task:
         raise ConfigError(
             f"task={task} does not fit data.name={name!r}, a task={contract.task} data module; set "
@@ -76,7 +110,7 @@ def _validate_data(cfg: DictConfig, user_classes: int | None) -> None:
                 f"model.num_classes={user_classes} but data.name={name!r} has {classes} classes; leave "
                 "model.num_classes out (it follows the data)"
             )
-        m.num_classes = classes
+        m.num_classes = classes  # the preset's placeholder replaced at load, before the config is read-only
     if m.input_type != contract.input_type:
         raise ConfigError(
             f"model.input_type={m.input_type!r} but data.name={name!r} gives {contract.input_type!r} inputs; "
@@ -90,24 +124,23 @@ def _validate_data(cfg: DictConfig, user_classes: int | None) -> None:
         )
 
 
-def _validate_mode(cfg: DictConfig) -> None:
-    """Keys that only one mode reads are rejected in the others."""
-    mode = cfg.mode
-    if cfg.init_from and mode != "fit":
-        raise ConfigError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
-    if cfg.ckpt and mode == "fit":
+def _validate_model(cfg: DictConfig) -> None:
+    """The model section makes a valid Megalodon, and the architecture ``model.arch`` names can be built from
+    it for this task (its spec's cheap checks; a Llama's size is matched in the run plan)."""
+    arch = cfg.model.arch
+    if arch not in ARCHS:
         raise ConfigError(
-            f"ckpt={cfg.ckpt} is read by mode=validate/test/eval_context, not mode=fit: continue a run with "
-            "resume=PATH, or start one from those weights with init_from=PATH"
+            f"model.arch={arch!r} is not a registered architecture; expected one of {sorted(ARCHS)}"
         )
-    if mode in ("validate", "test") and not (cfg.ckpt or cfg.resume):
-        raise ConfigError(f"mode={mode} needs ckpt=PATH (or resume=auto / a run directory)")
-    if mode == "eval_context" and cfg.task != "lm":
-        raise ConfigError(f"mode=eval_context needs task=lm (a language model), got task={cfg.task}")
-    if mode != "eval_context":
-        for key in ("eval_context_lengths", "eval_max_documents"):
-            if cfg[key]:
-                raise ConfigError(f"{key}={cfg[key]} is read by mode=eval_context only (mode={mode})")
+    megalodon = megalodon_config(cfg)
+    spec = ARCHS[arch]
+    seq_len = data_option(cfg, "seq_len") if cfg.task == "lm" else None
+    try:
+        spec.check_recipe(megalodon, int(seq_len) if seq_len else None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.trainer.chunk_parallel != 1:
+        _validate_chunk_parallel(cfg)
 
 
 def check_cudagraph_mode(cfg: DictConfig) -> None:
@@ -142,8 +175,6 @@ def check_cudagraph_mode(cfg: DictConfig) -> None:
 
 def _validate_trainer(cfg: DictConfig) -> None:
     t = cfg.trainer
-    if t.chunk_parallel != 1:
-        _validate_chunk_parallel(cfg)
     if t.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
         raise ConfigError(
             f"trainer.float32_matmul_precision={t.float32_matmul_precision!r}; expected one of "
@@ -160,15 +191,6 @@ def _validate_trainer(cfg: DictConfig) -> None:
             f"trainer.compile_mode={t.compile_mode!r} is an Inductor mode; trainer.compile_backend is "
             f"{t.compile_backend!r}"
         )
-    if t.compile:
-        import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
-
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        if t.compile_backend not in backends:
-            raise ConfigError(
-                f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "
-                f"expected one of {', '.join(sorted(backends))}"
-            )
     for key in ("global_batch_tokens", "peak_tflops"):
         if t[key] and cfg.task != "lm":
             raise ConfigError(
@@ -185,14 +207,29 @@ def _validate_trainer(cfg: DictConfig) -> None:
     check_cudagraph_mode(cfg)  # after the global batch's own checks: it reads the accumulation
 
 
+def check_compile_backend(cfg: DictConfig) -> None:
+    """``trainer.compile_backend`` is one torch.compile knows here (imports torch: the run plan calls it)."""
+    t = cfg.trainer
+    if not t.compile:
+        return
+    import torch._dynamo  # the backends torch.compile accepts here, debug ones included (aot_eager)
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if t.compile_backend not in backends:
+        raise ConfigError(
+            f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "
+            f"expected one of {', '.join(sorted(backends))}"
+        )
+
+
 def _validate_chunk_parallel(cfg: DictConfig) -> None:
     t, p = cfg.trainer, cfg.trainer.chunk_parallel
     where = f"trainer.chunk_parallel={p}"
-    if p < 1:
-        raise ConfigError(f"{where} must be >= 1")
-    if cfg.task != "lm" or cfg.model.arch != "megalodon":
+    if cfg.task != "lm" or not ARCHS[cfg.model.arch].chunk_parallel:
+        supported = [name for name, spec in ARCHS.items() if spec.chunk_parallel]
         raise ConfigError(
-            f"{where} splits a Megalodon language model's sequences: needs task=lm, model.arch=megalodon"
+            f"{where} splits a language model's sequences across ranks: needs task=lm and model.arch in "
+            f"{supported} (got task={cfg.task}, model.arch={cfg.model.arch})"
         )
     if t.strategy != "fsdp":
         raise ConfigError(f"{where} runs on the FSDP2 mesh: set trainer.strategy=fsdp (got {t.strategy!r})")

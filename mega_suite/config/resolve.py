@@ -1,20 +1,21 @@
 """From a validated configuration to what a run builds: the data module and its arguments, the model config,
-tokens per sequence, the device count (docs/configuration.md)."""
+tokens per sequence and per step, the device count (docs/configuration.md).
+
+Everything here reads the data modules' contracts (``datamodules.contracts``) rather than the modules
+themselves, and imports no torch at import time: ``data_module`` imports the data module's class, and
+``model_config`` of a Llama and ``device_count`` of ``devices=auto`` import torch, when called.
+"""
 
 from __future__ import annotations
 
 import difflib
-import inspect
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from datamodules import DATAMODULES
+from datamodules.contracts import CONTRACTS, DataContract
 from mega_suite.config.schema import ConfigError
-from mega_suite.models import ARCHS, build_model, count_parameters
-from mega_suite.models.llama import matched_config
+from mega_suite.models import ARCHS
 from mega_suite.models.megalodon.config import MegalodonConfig
 
 # Keyword arguments every data module takes, from data.* and the run's seed (never through data.options).
@@ -28,39 +29,39 @@ _SHARED_DATA_KEYS = dict(
 )
 
 
-def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
-    return {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
-
-
-def data_module(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
-    """The class registered as ``data.name`` and its keyword arguments; a ConfigError for any key it does not
-    take (``data.options`` are checked against its ``__init__`` signature)."""
-    d = cfg.data
-    if d.name not in DATAMODULES:
-        near = difflib.get_close_matches(str(d.name), list(DATAMODULES), n=3)
+def data_contract(cfg_or_name: DictConfig | str) -> DataContract:
+    """The contract of ``data.name``; a ConfigError with the nearest names for an unknown one."""
+    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.data.name
+    if name not in CONTRACTS:
+        near = difflib.get_close_matches(str(name), list(CONTRACTS), n=3)
         raise ConfigError(
-            f"data.name={d.name!r} is unknown; nearest: {near}; all: {', '.join(sorted(DATAMODULES))}"
+            f"data.name={name!r} is unknown; nearest: {near}; all: {', '.join(sorted(CONTRACTS))}"
         )
-    cls = DATAMODULES[d.name]
-    params = _init_parameters(cls)
-    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return CONTRACTS[name]
+
+
+def data_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """The data module's keyword arguments (data.*, data.options, the seed), each checked against its
+    declared option: an undeclared option, a value of the wrong type or out of range is a ConfigError."""
+    d = cfg.data
+    contract = data_contract(cfg)
+    cls = contract.target.partition(":")[2]
     kwargs: dict[str, Any] = dict(data_dir=d.data_dir, batch_size=d.batch_size, num_workers=d.num_workers)
     kwargs["seed"] = cfg.seed
     for key, unset in (("max_length", None), ("pad_to_multiple", 1)):
         value = d[key]
         if value == unset:
             continue
-        if key not in params and not any_keyword:
+        if not contract.takes_length:
             raise ConfigError(
-                f"data.{key}={value} is not used by data.name={d.name!r} ({cls.__name__} takes no {key}); "
+                f"data.{key}={value} is not used by data.name={d.name!r} ({cls} takes no {key}); "
                 "remove it from the recipe or the command line"
             )
         kwargs[key] = value
-    default_length = getattr(cls, "default_max_length", None)
-    if getattr(cls, "input_type", None) == "scalar" and d.max_length not in (None, default_length):
+    if contract.fixed_length and d.max_length not in (None, contract.default_max_length):
         raise ConfigError(
-            f"data.max_length={d.max_length}: data.name={d.name!r} has images of exactly {default_length} "
-            f"pixels; set data.max_length={default_length} or leave it out"
+            f"data.max_length={d.max_length}: data.name={d.name!r} has images of exactly "
+            f"{contract.default_max_length} pixels; set data.max_length={contract.default_max_length} or leave it out"
         )
     options = OmegaConf.to_container(d.options, resolve=True)
     shared = sorted(set(options) & set(_SHARED_DATA_KEYS))
@@ -68,53 +69,42 @@ def data_module(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
         raise ConfigError(
             f"data.options.{shared[0]} is set through {_SHARED_DATA_KEYS[shared[0]]}, not data.options"
         )
-    unknown = sorted(set(options) - set(params))
-    if unknown and not any_keyword:
-        valid = sorted(set(params) - set(_SHARED_DATA_KEYS))
+    unknown = sorted(set(options) - set(contract.options))
+    if unknown:
         raise ConfigError(
-            f"data.options {unknown} are not options of data.name={d.name!r} ({cls.__name__}); valid: {valid}"
+            f"data.options {unknown} are not options of data.name={d.name!r} ({cls}); valid: {sorted(contract.options)}"
         )
+    for key, value in options.items():
+        problem = contract.options[key].problem(value)
+        if problem is not None:
+            raise ConfigError(
+                f"data.options.{key}={value!r} is invalid for data.name={d.name!r}; expected {problem}"
+            )
     kwargs.update(options)
-    return cls, kwargs
+    return kwargs
 
 
-@dataclass(frozen=True)
-class DataContract:
-    """What a data module feeds the model, read from its class attributes (``task``, ``input_type``,
-    ``is_retrieval``) and checked against ``task`` and ``model.*`` at load."""
+def data_module(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
+    """The class registered as ``data.name`` (imported here) and its checked keyword arguments."""
+    from datamodules import DATAMODULES
 
-    task: str  # classify | lm
-    input_type: str = "token"  # the model.input_type its batches need
-    dual_input: bool = False  # batches of document pairs (input1, input2): retrieval
-
-
-def data_contract(cls: type) -> DataContract:
-    task = getattr(cls, "task", None)
-    if task not in ("classify", "lm"):
-        raise ConfigError(
-            f"data module {cls.__name__} declares no task (class attribute task = classify | lm)"
-        )
-    return DataContract(task, getattr(cls, "input_type", "token"), bool(getattr(cls, "is_retrieval", False)))
+    kwargs = data_arguments(cfg)
+    return DATAMODULES[cfg.data.name], kwargs
 
 
 def data_option(cfg: DictConfig, name: str, default: Any = None) -> Any:
-    """A data module argument as the run will pass it: ``data.options`` or the module's own default."""
-    cls, kwargs = data_module(cfg)
-    if name in kwargs:
-        return kwargs[name]
-    param = _init_parameters(cls).get(name)
-    if param is None or param.default is inspect.Parameter.empty:
-        return default
-    return param.default
+    """A data module argument as the run will pass it: ``data.options`` or the module's declared default."""
+    options = cfg.data.options
+    if name in options:
+        return options[name]
+    option = data_contract(cfg).options.get(name)
+    return default if option is None or option.default is None else option.default
 
 
 def data_num_classes(cfg: DictConfig) -> int | None:
-    """Class count of a classification data module: its class attribute, else its ``num_classes`` argument."""
-    cls, _ = data_module(cfg)
-    fixed = getattr(cls, "num_classes", None)
-    if isinstance(fixed, int):
-        return fixed
-    return data_option(cfg, "num_classes")
+    """Class count of a classification data module: its fixed count, else its ``num_classes`` option."""
+    fixed = data_contract(cfg).num_classes
+    return fixed if fixed is not None else data_option(cfg, "num_classes")
 
 
 def tokens_per_sequence(cfg: DictConfig) -> float:
@@ -133,62 +123,80 @@ def tokens_per_sequence(cfg: DictConfig) -> float:
     return float(seq_len)
 
 
-def model_config(cfg: DictConfig, **updates: Any):
-    """The model config of a run (``updates`` e.g. the data module's vocab_size / num_classes): the
-    MegalodonConfig the model section describes, or with ``model.arch=llama`` the LlamaConfig matched to it in
-    parameter count, with the data's ``seq_len`` as its context window."""
-
+def megalodon_config(cfg: DictConfig, **updates: Any) -> MegalodonConfig:
+    """The Megalodon the model section describes (every architecture is derived from it)."""
     values = OmegaConf.to_container(cfg.model, resolve=True)
     values.pop("preset", None)
-    arch = values.pop("arch")
+    values.pop("arch")
     values.update(updates)
-    megalodon = MegalodonConfig(**values)
+    try:
+        return MegalodonConfig(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def model_config(cfg: DictConfig, **updates: Any):
+    """The model config of a run (``updates`` e.g. the data module's vocab_size / num_classes): the
+    architecture ``model.arch`` names, built by its spec from the Megalodon the model section describes (a
+    Llama is matched to it in parameter count, its window the data's ``seq_len``)."""
+    arch = cfg.model.arch
     if arch not in ARCHS:
         raise ConfigError(
             f"model.arch={arch!r} is not a registered architecture; expected one of {sorted(ARCHS)}"
         )
-    if arch == "megalodon":
-        return megalodon
-    return _llama_config(cfg, megalodon)
-
-
-def _llama_config(cfg: DictConfig, megalodon: MegalodonConfig):
-    import torch
-
-    if cfg.task != "lm" or megalodon.is_classifier:
-        raise ConfigError("model.arch=llama is a causal language model: it needs task=lm")
-    if megalodon.adaptive_cutoffs:
-        raise ConfigError(
-            "model.arch=llama has no adaptive input / softmax (model.adaptive_cutoffs, WikiText-103): use "
-            "model.arch=megalodon for this recipe"
-        )
-    seq_len = data_option(cfg, "seq_len")
-    if not seq_len:
-        raise ConfigError("model.arch=llama needs the data's seq_len (data.options.seq_len) as its window")
-    with torch.device("meta"):
-        target = count_parameters(build_model(megalodon))
-    return matched_config(
-        target, megalodon.model_dim, megalodon.vocab_size, megalodon.share_emb, max_seq_len=int(seq_len),
-        norm_eps=megalodon.norm_eps, dropout=megalodon.dropout,
-    )  # fmt: skip
+    megalodon = megalodon_config(cfg, **updates)
+    seq_len = data_option(cfg, "seq_len") if cfg.task == "lm" else None
+    try:
+        return ARCHS[arch].from_recipe(megalodon, int(seq_len) if seq_len else None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def device_count(cfg: DictConfig) -> int:
     devices = cfg.trainer.devices
     if isinstance(devices, int):
         return devices
-    if isinstance(devices, (list, tuple)):
+    if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
         return len(devices)
-    if str(devices) == "auto" and cfg.trainer.accelerator != "cpu" and torch.cuda.is_available():
-        return torch.cuda.device_count()
+    if str(devices) == "auto" and cfg.trainer.accelerator != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
     return 1
 
 
-def accumulation(cfg: DictConfig) -> int:
+def accumulation(cfg: DictConfig, devices: int | None = None) -> int:
     """trainer.global_batch_tokens -> round(target / (batch x mean tokens per sequence x devices x nodes)), at
     least 1 (the paper's 4M-token batch of the 7B run; WikiText-103's 6144 x 24); else the key as set."""
     target = cfg.trainer.global_batch_tokens
     if target <= 0:
         return int(cfg.trainer.accumulate_grad_batches)
-    per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * device_count(cfg) * cfg.trainer.num_nodes
+    devices = device_count(cfg) if devices is None else devices
+    per_step = cfg.data.batch_size * tokens_per_sequence(cfg) * devices * cfg.trainer.num_nodes
     return max(1, round(target / per_step))
+
+
+def tokens_per_step(cfg: DictConfig, devices: int | None = None) -> tuple[float, str] | None:
+    """Training tokens per optimizer step, and how they were counted: batch x tokens per sequence x devices x
+    nodes x accumulation, the one formula of the log's global batch, compare's x-axis and lm_eval's curve.
+    Tokens per sequence: a language model's mean (``tokens_per_sequence``); a classifier's ``data.max_length``
+    (an upper bound of padded batches). None when the data says no length."""
+    devices = device_count(cfg) if devices is None else devices
+    if cfg.task == "lm":
+        try:
+            per_sequence, what = tokens_per_sequence(cfg), "tokens per sequence"
+        except ConfigError:
+            return None
+    else:
+        length = cfg.data.max_length or data_contract(cfg).default_max_length
+        if not length:
+            return None
+        per_sequence, what = float(length), "max_length (upper bound)"
+    accumulate = accumulation(cfg, devices)
+    total = cfg.data.batch_size * per_sequence * devices * cfg.trainer.num_nodes * accumulate
+    how = (
+        f"{total:g} tokens/step = batch {cfg.data.batch_size} x {what} {per_sequence:g} x accumulate "
+        f"{accumulate} x devices {devices} x nodes {cfg.trainer.num_nodes}"
+    )
+    return total, how

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mega_suite.errors import ConfigError as ConfigError  # raised by every check (with the other user errors)
 from mega_suite.models.megalodon.config import MegalodonConfig
 
 
@@ -163,14 +164,33 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
 
-class ConfigError(ValueError):
-    """A recipe or override a user wrote is wrong; the message says what and how to fix it."""
-
-
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that capture CUDA graphs
 
+
+# Keys holding paths: ``~`` is expanded at load (also in lists: lm_eval.checkpoints)
+PATH_KEYS = (
+    "data.data_dir", "run_root", "run_dir", "resume", "ckpt", "init_from", "tokenizer", "prompt_file",
+    "lm_eval.include_path", "lm_eval.checkpoints", "passkey.haystack",
+)  # fmt: skip
+
+EVAL_MODES = ("validate", "test", "eval_context", "generate", "lm_eval", "passkey")  # read a trained model
+GENERATE_KEYS = ("prompt", "prompt_file", "max_new_tokens", "temperature", "top_k", "top_p", "compile")
+
+# key (or section) -> the modes that read it. Set to anything but its default in another mode it is refused
+# at load: a key that does nothing there is a mistake the user should hear of (config.checks).
+MODE_KEYS: dict[str, tuple[str, ...]] = {
+    "ckpt": EVAL_MODES,
+    "init_from": ("fit",),
+    "resume": ("fit", "validate", "test"),
+    "eval_context_lengths": ("eval_context",),
+    "eval_max_documents": ("eval_context",),
+    **{key: ("generate",) for key in GENERATE_KEYS},
+    "tokenizer": ("generate", "lm_eval", "passkey"),
+    "lm_eval": ("lm_eval",),
+    "passkey": ("passkey",),
+}
 
 # key -> its allowed values, checked at load (config.checks)
 CHOICES = {
@@ -206,11 +226,16 @@ class Domain:
     each: bool = False
     length: int | None = None
 
+    @property
+    def top(self) -> float | None:
+        """The upper bound: a whole number's is at most INT_MAX (a count past it is a typo, not a plan)."""
+        return INT_MAX if self.integer and self.high is None else self.high
+
     def expected(self) -> str:
         kind = "a whole number" if self.integer else "a finite number"
-        if self.low is not None and self.high is not None:
+        if self.low is not None and self.top is not None:
             left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            text = f"{kind} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+            text = f"{kind} in {left}{_num(self.low)}, {_num(self.top)}{right}"
         elif self.low is not None:
             text = f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
         elif self.high is not None:
@@ -243,7 +268,10 @@ class Domain:
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return self.top is None or (value < self.top if self.high_open else value <= self.top)
+
+
+INT_MAX = 2**31 - 1  # the largest whole number a count or size key accepts
 
 
 def _num(x: float) -> str:
@@ -258,6 +286,20 @@ class BatchLimit(Domain):
 
     def _holds(self, value: Any) -> bool:
         return Domain(0, 1)._holds(value) or Domain(1, integer=True)._holds(value)
+
+
+class Limit(Domain):
+    """``lm_eval.limit``: a fraction of each task's examples in (0, 1), or a whole number of them."""
+
+    def expected(self) -> str:
+        return f"a fraction in (0, 1) or a whole number of examples in [1, {INT_MAX}] or None"
+
+    def _holds(self, value: Any) -> bool:
+        if value is None:
+            return True
+        return Domain(0, 1, low_open=True, high_open=True)._holds(value) or Domain(1, integer=True)._holds(
+            value
+        )
 
 
 class Devices(Domain):
@@ -350,7 +392,7 @@ RANGES: dict[str, Domain] = {
     "top_p": Domain(0, 1, low_open=True, also=(None,)),
     # mode=lm_eval, mode=passkey
     "lm_eval.num_fewshot": Domain(0, integer=True, also=(None,)),
-    "lm_eval.limit": Domain(0, low_open=True, also=(None,)),  # a count, or a fraction below 1
+    "lm_eval.limit": Limit(),
     "lm_eval.max_gen_toks": at_least(1),
     "passkey.samples": at_least(1),
     "passkey.lengths": Domain(64, integer=True, each=True),

@@ -26,7 +26,6 @@ validation loss against tokens seen and against wall time) into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
+from mega_suite.errors import UserError
 
 TOKEN_TAG = "train/tokens_seen"
 TRAIN_LOSS = "train/loss"
@@ -52,7 +53,7 @@ EVAL_METRICS: dict[str, Callable[[Sequence[float]], float]] = {
 RUN_KEYS = ("seed", "run_dir", "run_root", "resume", "ckpt")
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """A run directory that cannot be compared; the message names it and says what was expected."""
 
 
@@ -404,12 +405,24 @@ def _ema(values: np.ndarray, weight: float) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+REPORT = ["compare.md", "compare.png"]
+
+
 def compare(
-    run_dirs: Sequence[str | Path], out: str | Path = ".", group_seeds: bool = False, smooth: float = 0.0
+    run_dirs: Sequence[str | Path],
+    out: str | Path = ".",
+    group_seeds: bool = False,
+    smooth: float = 0.0,
+    overwrite: bool = False,
 ) -> tuple[Path, Path]:
-    """Write ``compare.md`` and ``compare.png`` for ``run_dirs`` into ``out``; returns their paths."""
+    """Write ``compare.md`` and ``compare.png`` for ``run_dirs`` into ``out`` (whole, never over existing ones
+    unless ``overwrite``); returns their paths."""
+    from mega_suite.storage.atomic import new_files
+
     if not run_dirs:
         raise CompareError("no run directories given")
+    if not 0.0 <= smooth < 1.0:
+        raise CompareError(f"--smooth must be in [0, 1), got {smooth}")
     runs = [load_run(p) for p in run_dirs]
     if group_seeds:
         runs = group_by_seed(runs)
@@ -417,42 +430,28 @@ def compare(
         differences = differing_keys({str(i): r.config for i, r in enumerate(runs)})
         runs = [with_differences(r, differences[str(i)]) for i, r in enumerate(runs)]
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    md, png = out / "compare.md", out / "compare.png"
-    md.write_text(table(runs))
-    plot(runs, png, smooth)
-    return md, png
+    with new_files(out, REPORT, overwrite=overwrite) as tmp:
+        (tmp / "compare.md").write_text(table(runs))
+        plot(runs, tmp / "compare.png", smooth)
+    return out / "compare.md", out / "compare.png"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mega_suite.evaluation.compare", description=__doc__.split("\n\n")[0].split(": ", 1)[0]
-    )
-    parser.add_argument("runs", nargs="+", help="run directories (runs/<recipe>/<time>/)")
-    parser.add_argument("--out", default=".", help="folder for compare.md and compare.png (default: .)")
-    parser.add_argument("--group-by-seed", action="store_true", help="mean and min/max band over seeds")
-    parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight for the training curves (0..1)")
-    args = parser.parse_args(argv)
-    if not 0.0 <= args.smooth < 1.0:
-        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
-    if all((Path(r) / "lm_eval.json").is_file() for r in args.runs):  # mode=lm_eval runs: their scores
+def run_compare(runs: list[str], out: str, group_by_seed: bool, smooth: float, overwrite: bool) -> str:
+    """``mega-suite compare``: training runs' curves, or mode=lm_eval folders' scores, side by side."""
+    from mega_suite.storage.atomic import new_files
+
+    if all((Path(r) / "lm_eval.json").is_file() for r in runs):  # mode=lm_eval folders: their scores
         from mega_suite.evaluation.harness import side_by_side
 
-        md = Path(args.out) / "lm_eval_compare.md"
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(side_by_side([Path(r) for r in args.runs]))
-        print(md.read_text())
-        print(f"wrote {md}")
-        return 0
-    try:
-        md, png = compare(args.runs, args.out, args.group_by_seed, args.smooth)
-    except CompareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(md.read_text())
-    print(f"wrote {md} and {png}")
-    return 0
+        text = side_by_side([Path(r) for r in runs])
+        with new_files(Path(out), ["lm_eval_compare.md"], overwrite=overwrite) as tmp:
+            (tmp / "lm_eval_compare.md").write_text(text)
+        return f"{text}\nwrote {Path(out) / 'lm_eval_compare.md'}"
+    md, png = compare(runs, out, group_by_seed, smooth, overwrite)
+    return f"{md.read_text()}\nwrote {md} and {png}"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the older name of `mega-suite compare`
+    from mega_suite.cli import main
+
+    sys.exit(main(["compare", *sys.argv[1:]], prog="python -m mega_suite.evaluation.compare"))

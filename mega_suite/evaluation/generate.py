@@ -18,16 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from mega_suite.config import ConfigError
+from mega_suite.models import arch_of
 from mega_suite.models.generation import generate
-
-
-def prompt_text(cfg: DictConfig) -> str:
-    if cfg.prompt_file:
-        path = Path(cfg.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt_file={path} does not exist")
-        return path.read_text()
-    return str(cfg.prompt)
 
 
 def check_room(model, prompt_tokens: int) -> None:
@@ -42,15 +34,17 @@ def check_room(model, prompt_tokens: int) -> None:
 
 
 @torch.no_grad()
-def run_generate(cfg: DictConfig, trained: Any, run_dir: Path) -> dict[str, Any]:
-    """Generate from ``trained`` (model, tokenizer) as ``cfg`` says; returns the metrics."""
+def check_generate(cfg: DictConfig, trained: Any, text: str) -> None:
+    """What ``run_generate`` would refuse, checked before anything is written."""
+    if cfg.compile and not arch_of(trained.model.cfg).compiled_decoder:
+        raise ConfigError(f"compile=true applies to a compiled static decoder, which {trained.arch} has not")
+    check_room(trained.model, len(trained.tokenizer.encode(text)))
+
+
+def run_generate(cfg: DictConfig, trained: Any, run_dir: Path, text: str) -> dict[str, Any]:
+    """Generate from ``trained`` (model, tokenizer) as ``cfg`` says, continuing ``text``; returns the metrics."""
     model, tok = trained.model, trained.tokenizer
     device = next(model.parameters()).device
-    if cfg.compile and trained.arch != "megalodon":
-        raise ConfigError(
-            f"compile=true applies to Megalodon's static decoder; {trained.arch} decodes eagerly"
-        )
-    text = prompt_text(cfg)
     ids = tok.encode(text)
     check_room(model, len(ids))
     prompt = torch.tensor([ids], device=device)
@@ -81,7 +75,6 @@ def run_generate(cfg: DictConfig, trained: Any, run_dir: Path) -> dict[str, Any]
         + (", compiled static decoder" if cfg.compile else "")
         + ")"
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "generate.txt").write_text(full + "\n")
     record = dict(
         prompt=text, continuation=continuation, text=full, prompt_ids=ids, new_ids=new, ckpt=str(trained.source),

@@ -17,7 +17,6 @@ a figure of accuracy against prompt length.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -195,30 +194,25 @@ def side_by_side(records: list[dict]) -> str:
     return "\n".join(lines + [""] + [f"- {rec['note']}" for rec in records]) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mega_suite.evaluation.passkey", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("runs", nargs="+", help="mode=passkey run directories")
-    parser.add_argument("--out", default=".", help="folder for passkey.md and passkey.png")
-    args = parser.parse_args(argv)
+def combine(runs: list[str], out: str, overwrite: bool = False) -> str:
+    """``mega-suite passkey``: several mode=passkey folders' tables side by side and one figure."""
+    from mega_suite.errors import UserError
+    from mega_suite.storage.atomic import new_files
+
     records = []
-    for run in args.runs:
+    for run in runs:
         file = Path(run) / "passkey.json"
         if not file.is_file():
-            print(
-                f"error: {run}: no passkey.json (a mode=passkey run directory was expected)", file=sys.stderr
-            )
-            return 2
+            raise UserError(f"{run}: no passkey.json (a mode=passkey folder was expected)")
         records.append(json.loads(file.read_text()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "passkey.md").write_text(side_by_side(records))
-    figure(records, out / "passkey.png")
-    print((out / "passkey.md").read_text())
-    print(f"wrote {out / 'passkey.md'} and {out / 'passkey.png'}")
-    return 0
+    with new_files(Path(out), ["passkey.md", "passkey.png"], overwrite=overwrite) as tmp:
+        (tmp / "passkey.md").write_text(side_by_side(records))
+        figure(records, tmp / "passkey.png")
+    text = (Path(out) / "passkey.md").read_text()
+    return f"{text}\nwrote {Path(out) / 'passkey.md'} and {Path(out) / 'passkey.png'}"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the older name of `mega-suite passkey`
+    from mega_suite.cli import main
+
+    sys.exit(main(["passkey", *sys.argv[1:]], prog="python -m mega_suite.evaluation.passkey"))

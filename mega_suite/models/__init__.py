@@ -6,6 +6,8 @@ questions generic code asks (``mega_suite.models.common.Backbone``): ``fsdp_unit
 ``float32_modules()``, ``no_weight_decay()``. The Lightning modules, the runner, the FSDP2 code and the
 evaluation ask through this registry and the instance; none of them names a Megalodon or Llama module.
 
+Importing this package imports no torch (the registry's rule): a recipe is checked before anything heavy loads.
+
     create_model("megalodon_7b", device="meta")      # any registered size, any config field overridable
     create_model("llama_200m", share_emb=True)
     list_models(), get_config(name, **overrides), build_model(config)

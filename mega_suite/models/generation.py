@@ -1,5 +1,5 @@
-"""One ``generate`` for any registered language model: Megalodon's streaming decoder
-(``megalodon.decode``) or Llama's key / value cache inside its window (``llama.decode``)."""
+"""One ``generate`` for any registered language model: the decoder its architecture's spec names
+(Megalodon's streaming decoder, Llama's key / value cache inside its window)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from mega_suite.models.llama.decode import LlamaDecoder
-from mega_suite.models.llama.decode import generate as llama_generate
-from mega_suite.models.megalodon.decode import generate as megalodon_generate
 from mega_suite.models.registry import arch_of
 
 
@@ -27,25 +24,15 @@ def generate(
     stop: Callable[[Tensor], bool] | None = None,
     compile: bool = False,
 ) -> Tensor:
-    """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens ([B, L + new]); ``compile``: Megalodon's
-    compiled ``StaticDecoder``."""
-    kwargs = dict(
-        temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, eos_id=eos_id,
-        generator=generator, stop=stop,
+    """Continue ``prompt`` [B, L] by up to ``max_new_tokens`` tokens ([B, L + new]); ``compile``: a compiled
+    static decoder where the architecture has one (Megalodon's ``StaticDecoder``)."""
+    return arch_of(model.cfg).generate(
+        model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+        eos_id=eos_id, generator=generator, stop=stop, compile=compile,
     )  # fmt: skip
-    name = arch_of(model.cfg).name
-    if name == "megalodon":
-        return megalodon_generate(model, prompt, max_new_tokens, compile=compile, **kwargs)
-    if name == "llama":
-        if compile:
-            raise ValueError("compile=true applies to Megalodon's static decoder; Llama decodes eagerly")
-        return llama_generate(model, prompt, max_new_tokens, **kwargs)
-    raise ValueError(f"no decoder for model.arch={name!r}")
 
 
 def context_seen(model: nn.Module, position: int) -> int:
     """How many tokens the prediction at ``position`` (0-based) is computed from: all of them for Megalodon,
-    the window's for Llama (``LlamaDecoder.context_start``)."""
-    if arch_of(model.cfg).name == "llama":
-        return position + 1 - LlamaDecoder(model).context_start(position)
-    return position + 1
+    the window's for Llama."""
+    return arch_of(model.cfg).context_seen(model, position)

@@ -1,5 +1,10 @@
 """The registry of architectures: each package registers a :class:`ModelSpec` here; ``create_model`` and the
-generic code (Lightning modules, runner, FSDP2, evaluation) look them up."""
+generic code (Lightning modules, runner, FSDP2, evaluation, export) look them up and never name an
+architecture. A third architecture is one package that registers its spec.
+
+A spec and its package's ``__init__`` import no torch: a recipe is checked (``mega_suite.config``) before
+anything heavy is imported; ``build``, ``generate`` and ``context_seen`` import their modules when called.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +13,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # model.arch in recipes
     config_class: type  # the architecture's config dataclass
-    build: Callable[[Any], nn.Module]  # config -> model (LM or classifier)
+    build: Callable[[Any], Any]  # config -> model (LM or classifier)
     presets: dict[str, dict]  # named sizes: config field values
     flops_per_token: Callable[
         [Any, int], float
     ]  # (config, sequence length) -> training FLOPs per token (MFU)
     streaming: str  # how evaluation beyond the training length works, in words (reports say it)
+    # (the recipe's Megalodon config, the data's seq_len or None) -> this architecture's config for the recipe;
+    # a ValueError says what the recipe lacks
+    from_recipe: Callable[[Any, int | None], Any]
+    # the same arguments -> None, or a ValueError naming what the recipe lacks; cheap (no torch): run at load
+    check_recipe: Callable[[Any, int | None], None]
+    # (model, prompt [B, L], max_new_tokens, **sampling) -> [B, L + new]: the architecture's decoder
+    generate: Callable[..., Any]
+    # (model, position) -> how many tokens the prediction at ``position`` is computed from
+    context_seen: Callable[[Any, int], int]
+    # (config) -> how a report says the model sees long contexts
+    context_note: Callable[[Any], str]
+    compiled_decoder: bool = False  # mode=generate compile=true (a compiled static decoder)
+    chunk_parallel: bool = False  # trainer.chunk_parallel > 1 (sequences split across ranks)
+    language_model_only: bool = False  # no classifier of this architecture (task=lm only)
 
 
 ARCHS: dict[str, ModelSpec] = {}
@@ -49,7 +65,7 @@ def arch_of(config: Any) -> ModelSpec:
     raise TypeError(f"{type(config).__name__} is not the config of a registered architecture")
 
 
-def build_model(config: Any) -> nn.Module:
+def build_model(config: Any):
     return arch_of(config).build(config)
 
 
@@ -74,8 +90,10 @@ def get_config(name: str, **overrides) -> Any:
     return dataclasses.replace(spec.config_class(**spec.presets[name]), **overrides)
 
 
-def create_model(name: str, device: str | torch.device | None = None, **overrides) -> nn.Module:
+def create_model(name: str, device=None, **overrides):
     """Build a registered size. ``device="meta"`` builds without allocating (e.g. the 7B)."""
+    import torch
+
     cfg = get_config(name, **overrides)
     if device is None:
         return build_model(cfg)
@@ -83,6 +101,6 @@ def create_model(name: str, device: str | torch.device | None = None, **override
         return build_model(cfg)
 
 
-def count_parameters(model: nn.Module) -> int:
+def count_parameters(model) -> int:
     """Parameters counted once (tied weights once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

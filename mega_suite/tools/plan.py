@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from mega_suite.config import data_module
-from mega_suite.config.run_plan import resolve_plan
+from mega_suite.config.run_plan import RunPlan, make_plan
 from mega_suite.models import build_model, count_parameters
 from mega_suite.models.megalodon.lean import is_rebuilt
 from mega_suite.tools.memory import stored_for_backward
@@ -144,8 +143,13 @@ def activation_bytes_per_token_layer(mcfg, context: int, bf16: bool, patch: bool
 
 
 def plan(cfg: DictConfig) -> str:
+    """The table of a configuration ``load_config`` validated."""
+    return plan_table(make_plan(cfg))
 
-    run = resolve_plan(cfg)
+
+def plan_table(run: RunPlan) -> str:
+    """``mode=plan``: the memory table of a run plan (read, never changed)."""
+    cfg = run.cfg
     mcfg = run.model
     with torch.device("meta"):
         model = build_model(mcfg)
@@ -226,9 +230,12 @@ def plan(cfg: DictConfig) -> str:
 
 
 def _default_length(cfg: DictConfig) -> int | None:
+    from mega_suite.config.resolve import data_contract, data_module
 
+    contract = data_contract(cfg)
+    if contract.default_max_length:
+        return contract.default_max_length
     cls, _ = data_module(cfg)
     import sys
 
-    module = sys.modules[cls.__module__]  # fixed-length data (speech clips) name their length
-    return getattr(cls, "default_max_length", None) or getattr(module, "CLIP_SAMPLES", None)
+    return getattr(sys.modules[cls.__module__], "CLIP_SAMPLES", None)  # fixed-length data (speech clips)

@@ -1,12 +1,16 @@
-"""``python -m mega_suite.training.checkpoint export RUN_DIR|CKPT OUT_DIR [--dtype bf16]`` (and ``consolidate``; the
-command line of ``checkpoint.py`` is here, above the trained-model loader it uses): a run's weights
-(a Lightning checkpoint, a sharded FSDP2 directory or a consolidated state dict) as a shareable bundle
-(``mega_suite.models.bundle``: safetensors, config.json, the tokenizer, the transformers wrapper;
+"""Exporting and consolidating a trained model (``mega-suite export`` / ``consolidate``;
 docs/after_training.md#shareable-weights).
 
-The model is rebuilt from the run's ``config.yaml`` (beside ``checkpoints/``) with the vocabulary of the
-weights and loaded strictly, so a bundle always holds a model that loads; the tokenizer is the run
-directory's copy, else its data's."""
+Both read their source through the one checkpoint reader (a run folder, a Lightning checkpoint, a sharded
+FSDP2 folder, a consolidated state dict or a bundle) and write through ``new_output``: the result is built
+under a temporary name beside its destination and renamed into place when complete. A destination that
+exists is refused unless ``overwrite`` is given and it is of the same kind (a bundle by a bundle, a torch file
+by a torch file); a destination inside a run folder is always refused (a run holds what training wrote).
+
+An export rebuilds the model from the configuration of the run that wrote the checkpoint (its
+``config.yaml``, else the configuration saved in the checkpoint), loads it strictly and writes it with its
+tokenizer (``mega_suite.models.bundle``).
+"""
 
 from __future__ import annotations
 
@@ -17,85 +21,86 @@ from omegaconf import OmegaConf
 
 from mega_suite.config import ConfigError
 from mega_suite.config.schema import RunConfig
-from mega_suite.models.bundle import DTYPES, BundleError, is_bundle, save_bundle
-from mega_suite.training.checkpoint import consolidate
-from mega_suite.training.trained import checkpoint_path, load_trained, run_config_of, run_dir_of
+from mega_suite.models.bundle import DTYPES, is_bundle, save_bundle
+from mega_suite.storage.atomic import new_output
+from mega_suite.storage.checkpoints import open_checkpoint
+from mega_suite.storage.runs import enclosing_run
+from mega_suite.training.trained import file_digest, load_trained
+
+
+def _outside_runs(out: Path, key: str) -> None:
+    inside = enclosing_run(out) if not out.exists() else (out if _is_run(out) else enclosing_run(out))
+    if inside is not None:
+        raise ConfigError(f"{key}={out} lies in the run {inside}; write it outside any run folder")
+
+
+def _is_run(path: Path) -> bool:
+    from mega_suite.storage.checkpoints import is_run_folder
+
+    return is_run_folder(path)
+
+
+def _empty_folder(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def export(
-    source: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_size: str = "5GB"
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the bundle of ``source`` (a run directory, a checkpoint or a bundle) into ``out_dir``."""
+    """Write the bundle of ``source`` (a run folder, a checkpoint or a bundle) into ``out_dir``."""
     if dtype is not None and dtype not in DTYPES:
-        raise BundleError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
-    path = checkpoint_path(source)
-    if is_bundle(path):  # re-export (another dtype or shard size): the bundle carries its configuration
-        cfg = OmegaConf.structured(RunConfig)
-    else:
-        run_dir = run_dir_of(path)
-        if run_dir is None:
-            raise BundleError(
-                f"{path}: no config.yaml beside its checkpoints/ folder, so the model's configuration is unknown; "
-                "export from the run directory that wrote it"
-            )
-        cfg, _ = run_config_of(run_dir, None)
-        if cfg is None:
-            raise BundleError(f"{run_dir / 'config.yaml'} cannot be read as a run configuration")
+        raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(sorted(DTYPES))}")
+    out = Path(out_dir).expanduser()
+    checkpoint = open_checkpoint(Path(source).expanduser(), "SOURCE")
+    _outside_runs(out, "OUT")
+    if out.exists() and not (_empty_folder(out) or is_bundle(out)):
+        raise ConfigError(
+            f"OUT={out} exists and is not a bundle; an export writes a new folder (or replaces a bundle with "
+            "--overwrite), never into a folder of other files"
+        )
+    cfg = OmegaConf.structured(RunConfig)
     OmegaConf.set_readonly(cfg, False)
     cfg.trainer.accelerator = "cpu"
-    cfg.tokenizer = None
-    trained = load_trained(cfg, path)
+    trained = load_trained(cfg, checkpoint)
     tok = trained.tokenizer
-    extra = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "source_checkpoint": str(trained.source)}
+    extra = {
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "source_checkpoint": str(trained.source),
+        "tokenizer_digest": file_digest(tok.path),
+    }  # fmt: skip
     if trained.step is not None:
         extra["step"] = trained.step
     if trained.tokens is not None:
         extra["training_tokens"] = trained.tokens
-    return save_bundle(
-        trained.model, out_dir, tokenizer=tok.path, dtype=DTYPES[dtype] if dtype else None,
-        max_shard_size=max_shard_size, extra=extra,
-    )  # fmt: skip
+    if _empty_folder(out):
+        out.rmdir()  # an empty folder is as good as none
+    with new_output(out, "OUT", folder=True, overwrite=overwrite, same_kind=is_bundle) as tmp:
+        save_bundle(
+            trained.model, tmp, tokenizer=tok.path, dtype=DTYPES[dtype] if dtype else None,
+            max_shard_size=max_shard_size, extra=extra,
+        )  # fmt: skip
+    return out
 
 
-def export_command(args) -> int:
-    import sys
-
-    try:
-        out = export(args.source, args.out, args.dtype, args.max_shard_size)
-    except (BundleError, ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    files = sorted(p.name for p in out.iterdir())
-    print(f"wrote {out}: {', '.join(files)}")
-    return 0
+def _torch_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mega_suite.training.checkpoint")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="a run's (sharded) checkpoint -> one reference-format .pt file")
-    c.add_argument("source", help="run directory (uses checkpoints/last.ckpt) or checkpoint path")
-    c.add_argument("out", help="output .pt file")
-    e = sub.add_parser(
-        "export", help="a run's (sharded) checkpoint -> a safetensors bundle (docs/after_training.md)"
-    )
-    e.add_argument("source", help="run directory (uses checkpoints/last.ckpt), checkpoint or bundle")
-    e.add_argument("out", help="output folder: model.safetensors, config.json, the tokenizer")
-    e.add_argument(
-        "--dtype", default=None, help="parameters' dtype in the files: bf16, fp16, fp32 (default: as saved)"
-    )
-    e.add_argument(
-        "--max-shard-size", default="5GB", help="split model.safetensors above this size (default 5GB)"
-    )
-    args = parser.parse_args(argv)
-    if args.command == "export":
-        return export_command(args)
-    out = consolidate(args.source, args.out)
-    print(f"wrote {out} ({len(torch.load(out, weights_only=True))} tensors)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def consolidate(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the model weights of a run folder (its newest checkpoint) or of one checkpoint, sharded or not,
+    as one reference-format state dict file (``torch.save``) that every ``ckpt=`` and ``init_from=`` reads."""
+    out = Path(out).expanduser()
+    checkpoint = open_checkpoint(Path(source).expanduser(), "SOURCE")
+    _outside_runs(out, "OUT")
+    if out.is_dir():
+        raise ConfigError(f"OUT={out} is a folder; consolidate writes one file (e.g. {out / 'model.pt'})")
+    state = checkpoint.state()
+    with new_output(out, "OUT", folder=False, overwrite=overwrite, same_kind=_torch_file) as tmp:
+        torch.save(state, tmp)
+    return out

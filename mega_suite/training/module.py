@@ -23,7 +23,7 @@ from mega_suite.config import ADAMW_KERNELS, CUDAGRAPH_MODES
 from mega_suite.distributed.chunk_parallel import attach, global_mean_loss, slice_batch, slice_bounds
 from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, init_sharded, uses_model_parallel
 from mega_suite.models import build_model
-from mega_suite.training.checkpoint import load_full_weights
+from mega_suite.storage.checkpoints import load_full_weights
 from mega_suite.training.saving import NonFiniteLossError
 
 __all__ = ["CausalLM", "NonFiniteLossError", "SequenceClassifier", "SuiteModule", "build_module", "lr_lambda"]
@@ -71,7 +71,8 @@ class SuiteModule(L.LightningModule):
         self.meta_init, self.init_seed = meta_init, init_seed
         # A ChunkParallelContext when trainer.chunk_parallel > 1 (set by the strategy, mega_suite.distributed.fsdp)
         self.chunk_parallel = None
-        self.weights_from: str | None = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
+        self.weights_from = None  # a checkpoint loaded after materialising (init_from=, ckpt=)
+        self.tokenizer_digest: str | None = None  # sha256 of the run's tokenizer, saved in its checkpoints
         # One initialisation whatever the strategy: built on the meta device, materialised, seeded, then
         # init_weights() -- at once here, or per shard in configure_model (init_sharded draws the same
         # numbers), so that one seed gives the same initial model on one device, under DDP and FSDP2.
@@ -272,6 +273,7 @@ class SuiteModule(L.LightningModule):
         checkpoint["mega_suite"] = {
             "run_config": getattr(self, "run_config", None),
             "model": {"arch": type(self.model_cfg).__name__, **dataclasses.asdict(self.model_cfg)},
+            "tokenizer_digest": self.tokenizer_digest,
         }
 
 

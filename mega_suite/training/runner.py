@@ -1,10 +1,22 @@
-"""From a resolved configuration to a Lightning run: run directory, data, module, trainer, fit / validate / test."""
+"""From a run plan to what it does: a Lightning fit / validate / test / eval_context, or an after-training mode
+(docs/configuration.md#the-run-plan).
+
+``run(cfg)`` makes the plan (``mega_suite.config.run_plan``: every key, file and folder checked, nothing
+created), prepares the data, builds the module and checks every checkpoint it reads against the model it
+built, loads what an after-training mode evaluates; only then does it claim the run folder (created and
+locked: ``mega_suite.storage.runs``), write ``config.yaml`` (``eval.yaml`` for an evaluation) and
+``plan.json`` into it, and run.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +25,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from datamodules.common import reset_data_parallel
-from mega_suite.config import (
-    ConfigError,
-    to_yaml,
-)
+from mega_suite.config import ConfigError, to_yaml
 from mega_suite.config.after import AFTER_MODES
-from mega_suite.config.run_plan import SHARDING_STRATEGIES, RunPlan, resolve_plan
+from mega_suite.config.run_plan import LAUNCHED, SHARDING_STRATEGIES, RunPlan, check_model, make_plan
 from mega_suite.evaluation.context import (
     default_context_lengths,
     documents_from_segments,
@@ -26,9 +35,10 @@ from mega_suite.evaluation.context import (
     eval_context_chunk_parallel,
     write_report,
 )
+from mega_suite.evaluation.generate import check_generate
 from mega_suite.models import arch_of
-from mega_suite.models.bundle import is_bundle
-from mega_suite.training import preflight
+from mega_suite.storage.checkpoints import Checkpoint, load_into, open_checkpoint
+from mega_suite.storage.runs import EVAL_CONFIG, claim, tidy_for_resume
 from mega_suite.training.callbacks import (
     GracefulStop,
     LogLines,
@@ -37,17 +47,12 @@ from mega_suite.training.callbacks import (
     StopRequested,
     TokenThroughput,
 )
-from mega_suite.training.checkpoint import (
-    AtomicCheckpointIO,
-    is_lightning_checkpoint,
-    is_sharded_checkpoint,
-    load_reference_file,
-)
 from mega_suite.training.module import NonFiniteLossError, build_module
-from mega_suite.training.saving import SuiteCheckpoint, save_last
+from mega_suite.training.saving import AtomicCheckpointIO, SuiteCheckpoint, save_last
 from mega_suite.training.strategy import make_strategy
 from mega_suite.training.trained import (
-    checkpoint_path,
+    file_digest,
+    load_evaluated,
     periodic_checkpoint,
     run_after_training,
     save_run_tokenizer,
@@ -188,139 +193,201 @@ def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = N
         logger=logger,
         plugins=[AtomicCheckpointIO()],
         num_sanity_val_steps=0,
-        enable_model_summary=True,
+        enable_model_summary=False,  # one line instead (the runner's): the table's FLOPs column reads 0
     )
 
 
-_RUN_ENV = "MEGA_SUITE_RUN"  # "run_dir<pathsep>resume_ckpt" of the launching rank 0
+class _NotForPeople(logging.Filter):
+    """Lightning's console lines that say nothing about this run: adverts for its other products and the
+    accelerators this suite never uses."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(("💡", "TPU available", "HPU available"))
 
 
-def run(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
-    """Execute a resolved configuration. Returns the final metrics (and the run directory).
+def quiet_lightning() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NotForPeople) for f in logger.filters):
+            logger.addFilter(_NotForPeople())
+    # Lightning's own use of a torch API it deprecated; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
-    Everything a run reads or writes is checked before its directory is created (``preflight``): where it
-    goes, each checkpoint it reads (also against the model built once the data is prepared), the machine."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+def run(cfg: DictConfig | RunPlan, extra_callbacks: list | None = None) -> dict[str, Any]:
+    """Execute a configuration ``load_config`` validated (or its plan). Returns the final metrics and the
+    folder written (``run_dir``)."""
+    quiet_lightning()
+    plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg)
+    L.seed_everything(plan.cfg.seed, workers=True, verbose=False)
     reset_data_parallel()  # an earlier chunk-parallel run in this process declared its own data ranks
-    # Lightning starts ranks 1.. of a multi-device run by re-running this command (its subprocess launcher):
-    # they take the run directory and checkpoint rank 0 resolved (and checked), passed down in the environment.
-    launched = os.environ.get(_RUN_ENV)
-    if launched:
-        run_dir_text, resume_text = launched.split(os.pathsep)
-        target = preflight.RunTarget(Path(run_dir_text), fresh=False)
-        resume = preflight.read_checkpoint(resume_text, "resume") if resume_text else None
-        target.resume = resume
-    else:
-        target = preflight.resolve_run(cfg)
-        preflight.check_accelerator(cfg)
-        preflight.check_writable(target, cfg)
-    if cfg.mode in AFTER_MODES and cfg.ckpt:  # a run directory or bundle too: resolved as the modes read it
-        checkpoint_path(cfg.ckpt)
-    keys = ("init_from",) if cfg.mode in AFTER_MODES else ("ckpt", "init_from")
-    reads = {key: preflight.read_checkpoint(cfg[key], key) for key in keys if cfg[key]}
-    for key, info in reads.items():
-        preflight.check_config_match(info, cfg, key)
+    for note in plan.notes:
+        print(f"[mega-suite] {note}")
+    if plan.mode in AFTER_MODES:  # a trained model, no trainer: generate / lm_eval / passkey
+        return _after_training(plan)
+    return _with_trainer(plan, extra_callbacks)
+
+
+@contextlib.contextmanager
+def claimed(plan: RunPlan) -> Iterator[Path]:
+    """The plan's folder, created and locked for the block (ranks that Lightning's launcher started use rank
+    0's); its configuration and plan written into it."""
+    if plan.launched:
+        yield plan.output.path
+        return
+    folder = claim(plan.output)
     try:
-        return _run_in(cfg, target, reads, bool(launched), extra_callbacks)
+        path = folder.path
+        os.environ[LAUNCHED] = f"{path}{os.pathsep}{plan.resume.path if plan.resume else ''}"
+        if plan.resume is not None and plan.output.kind == "train":
+            tidy_for_resume(path, plan.resume.skipped)
+        written = OmegaConf.create(OmegaConf.to_container(plan.cfg))
+        written.run_dir = str(path)
+        if plan.output.kind == "eval":
+            name = EVAL_CONFIG
+        elif plan.resume is not None and plan.output.resuming and (path / "config.yaml").exists():
+            name = f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+        else:
+            name = "config.yaml"
+        from mega_suite.storage.atomic import write_text
+
+        write_text(path / name, to_yaml(written))
+        plan.write(path)
+        resumed = f" (resuming {plan.resume.path}, step {plan.resume.global_step})" if plan.resume else ""
+        print(f"[mega-suite] {plan.mode}: {path}{resumed}; configuration in {name}")
+        yield path
     finally:
-        if not launched:
-            os.environ.pop(_RUN_ENV, None)
+        os.environ.pop(LAUNCHED, None)
+        folder.release()
 
 
-def _start(cfg: DictConfig, target: preflight.RunTarget, launched: bool, resume_ckpt: Path | None) -> Path:
-    """Claim the run directory (rank 0) and write the resolved configuration into it."""
-    run_dir = target.run_dir
-    if not launched:
-        run_dir = preflight.claim_run_dir(target, cfg)
-        if target.resume is not None:
-            preflight.tidy_for_resume(target)
-        os.environ[_RUN_ENV] = f"{run_dir}{os.pathsep}{resume_ckpt or ''}"
-    cfg.run_dir = str(run_dir)
-    text = to_yaml(cfg)
-    print(text)
-    name = "config.yaml" if resume_ckpt is None else f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    if not launched:
-        (run_dir / name).write_text(text)
-    print(f"[mega-suite] run directory: {run_dir}" + (f" (resuming {resume_ckpt})" if resume_ckpt else ""))
-    return run_dir
+def _after_training(plan: RunPlan) -> dict[str, Any]:
+    loaders = load_evaluated(plan)  # the model and tokenizer: checked before the folder exists
+    if plan.mode == "generate":
+        check_generate(plan.cfg, loaders[0](), plan.prompt)
+    elif plan.mode == "lm_eval":
+        from mega_suite.evaluation.harness import load_tasks, task_manager
+
+        names = list(plan.cfg.lm_eval.tasks)
+        load_tasks(task_manager(names, plan.cfg.lm_eval.include_path), names)  # unknown task, data offline
+    with claimed(plan) as folder:
+        metrics = run_after_training(plan, loaders, folder)
+        write_metrics(folder, metrics)
+    return {**metrics, "run_dir": str(folder)}
 
 
-def _run_in(
-    cfg: DictConfig,
-    target: preflight.RunTarget,
-    reads: dict[str, preflight.CheckpointInfo],
-    launched: bool,
-    extra_callbacks: list | None,
-) -> dict[str, Any]:
-    resume_ckpt = target.resume.path if target.resume is not None else None
-    cfg.run_dir = str(target.run_dir)
-    if cfg.mode in AFTER_MODES:  # a trained model, no trainer: generate / lm_eval / passkey
-        run_dir = _start(cfg, target, launched, resume_ckpt)
-        return {**run_after_training(cfg, run_dir), "run_dir": str(run_dir)}
-    plan = resolve_plan(cfg)
+def _with_trainer(plan: RunPlan, extra_callbacks: list | None) -> dict[str, Any]:
+    cfg = plan.cfg
     dm = plan.build_data()
     dm.prepare_data()
     plan = plan.with_data(dm)
     if plan.global_batch_line():
         print(f"[mega-suite] {plan.global_batch_line()}")
     module = build_run_module(plan)
-    checked = dict(reads, **({"resume": target.resume} if target.resume is not None else {}))
-    for key, info in checked.items():  # every checkpoint this run reads holds the model it built
-        preflight.check_model(info, module.model, plan.model, cfg, key)
+    reads = [("init_from", plan.init_from), ("resume", plan.resume), *(("ckpt", c) for c in plan.evaluated)]
+    for key, found in reads:  # every checkpoint this run reads holds the model it built
+        if found is not None:
+            check_model(found, module.model, plan.model, cfg, key)
+    tokenizer = getattr(dm, "tokenizer_file", None)
+    digest = file_digest(tokenizer) if tokenizer is not None and Path(tokenizer).is_file() else None
+    check_tokenizer(plan.resume, digest, tokenizer)
 
-    run_dir = _start(cfg, target, launched, resume_ckpt)  # nothing was written before this point
-    if cfg.mode == "fit" and not launched:
-        save_run_tokenizer(dm, run_dir)  # a run directory is self-contained
-    if cfg.init_from:
-        init_weights_from(module, cfg.init_from, resuming=resume_ckpt is not None, mode=cfg.mode)
-    module.run_config = OmegaConf.to_container(cfg, resolve=True)
-    module.run_config["trainer"]["accumulate_grad_batches"] = plan.accumulate_grad_batches
-    trainer = build_trainer(plan, run_dir, extra_callbacks)
-    if trainer.logger is not None and resume_ckpt is None:
-        trainer.logger.log_hyperparams(_flatten(module.run_config))
-    data = ValWithTest(dm)
-    if cfg.mode == "fit":
-        try:
-            trainer.fit(module, datamodule=data, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
-        except NonFiniteLossError as exc:
-            print(f"error: {exc} {kept_checkpoint(run_dir)}", file=sys.stderr)
-            raise
-        except StopRequested as exc:
-            print(f"[mega-suite] {exc}; resume with resume=auto")
-        stopped = any(isinstance(cb, GracefulStop) and cb.requested for cb in trainer.callbacks)
-        if not trainer.interrupted and not stopped:  # a graceful stop saved mid-epoch already: keep that
-            save_last(trainer, run_dir / "checkpoints" / "last.ckpt")
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    elif cfg.mode in ("validate", "test"):
-        ckpt = cfg.ckpt or (str(resume_ckpt) if resume_ckpt else None)
-        if ckpt is None:
-            raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run directory)")
-        fn = trainer.validate if cfg.mode == "validate" else trainer.test
-        sharding = cfg.trainer.strategy in SHARDING_STRATEGIES
-        if not is_lightning_checkpoint(ckpt) or (is_sharded_checkpoint(ckpt) and not sharding):
-            # model weights alone (e.g. `python -m mega_suite.training.checkpoint consolidate`), or a sharded
-            # checkpoint read on one process: load the weights, evaluate without trainer state
-            if getattr(module, "meta_init", False):
-                module.weights_from = str(ckpt)
-            else:
-                load_reference_file(module.model, ckpt)
-            ckpt = None
-        out = fn(module, datamodule=data, ckpt_path=ckpt)
-        metrics = {k: float(v) for d in out for k, v in d.items()}
-    elif cfg.mode == "eval_context" and cfg.task == "lm":
-        metrics = run_eval_context(cfg, module, dm, trainer, run_dir)
-    else:
-        raise ConfigError(f"mode={cfg.mode!r} is not available for task {cfg.task!r}")
+    with claimed(plan) as run_dir:  # nothing was written before this point
+        if cfg.mode == "fit" and not plan.launched:
+            save_run_tokenizer(dm, run_dir)  # a run folder is self-contained
+        if plan.init_from is not None:
+            init_weights_from(module, plan.init_from, resuming=plan.resume is not None)
+        module.run_config = dict(OmegaConf.to_container(cfg, resolve=True), run_dir=str(run_dir))
+        module.run_config["trainer"]["accumulate_grad_batches"] = plan.accumulate_grad_batches
+        module.tokenizer_digest = digest
+        trainer = build_trainer(plan, run_dir, extra_callbacks)
+        print(f"[mega-suite] model: {model_line(module.model)}")
+        if trainer.logger is not None and plan.resume is None:
+            trainer.logger.log_hyperparams(_flatten(module.run_config))
+        data = ValWithTest(dm)
+        if cfg.mode == "fit":
+            metrics = _fit(trainer, module, data, plan, run_dir)
+        elif cfg.mode in ("validate", "test"):
+            metrics = _evaluate(trainer, module, data, plan)
+        else:
+            metrics = run_eval_context(cfg, module, dm, trainer, run_dir, plan.evaluated)
+        if trainer.is_global_zero:
+            write_metrics(run_dir, metrics)
     metrics["run_dir"] = str(run_dir)
     return metrics
+
+
+def write_metrics(folder: Path, metrics: dict[str, Any]) -> None:
+    """The command's final metrics at full precision (``metrics.json``; the console shows four digits)."""
+    import json
+
+    from mega_suite.storage.atomic import write_text
+
+    write_text(folder / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+
+
+def model_line(model) -> str:
+    """The model in one line: its class and parameter count (tied weights once)."""
+    from mega_suite.models import count_parameters
+
+    total = count_parameters(model)
+    size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M" if total >= 1e6 else f"{total / 1e3:.1f}K"
+    return f"{type(model).__name__}, {size} parameters"
+
+
+def check_tokenizer(resume: Checkpoint | None, digest: str | None, tokenizer) -> None:
+    """A resumed run trains on with the tokenizer it was started with (its digest is in its checkpoints)."""
+    if (
+        resume is None
+        or resume.tokenizer_digest is None
+        or digest is None
+        or digest == resume.tokenizer_digest
+    ):
+        return
+    raise ConfigError(
+        f"resume={resume.path}: the run was trained with another tokenizer than {tokenizer} (their sha256 "
+        "differ); resume with the tokenizer it was started with (data.options.tokenizer_path), or start a new "
+        "run from its weights with init_from="
+    )
+
+
+def _fit(trainer: L.Trainer, module, data, plan: RunPlan, run_dir: Path) -> dict[str, float]:
+    resume = str(plan.resume.path) if plan.resume is not None else None
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=resume)
+    except NonFiniteLossError as exc:
+        print(f"error: {exc} {kept_checkpoint(run_dir)}", file=sys.stderr)
+        raise
+    except StopRequested as exc:
+        print(f"[mega-suite] {exc}; resume with resume=auto")
+    stopped = any(isinstance(cb, GracefulStop) and cb.requested for cb in trainer.callbacks)
+    if not trainer.interrupted and not stopped:  # a graceful stop saved mid-epoch already: keep that
+        save_last(trainer, run_dir / "checkpoints" / "last.ckpt")
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _evaluate(trainer: L.Trainer, module, data, plan: RunPlan) -> dict[str, float]:
+    """mode=validate | test of the evaluated checkpoint: its weights loaded into the model (a sharded
+    checkpoint under a sharding strategy through Lightning, which reads the shards on every rank)."""
+    found = plan.evaluated[0]
+    ckpt = None
+    if found.format == "sharded" and plan.sharded:
+        ckpt = str(found.path)
+    elif getattr(module, "meta_init", False):
+        module.weights_from = found  # loaded into the shards once they exist (configure_model)
+    else:
+        load_into(module.model, found)
+    fn = trainer.validate if plan.mode == "validate" else trainer.test
+    out = fn(module, datamodule=data, ckpt_path=ckpt)
+    return {k: float(v) for d in out for k, v in d.items()}
 
 
 def kept_checkpoint(run_dir: Path) -> str:
     """What the run keeps after it stopped on a non-finite loss: never a checkpoint that does not exist."""
     last = Path(run_dir) / "checkpoints" / "last.ckpt"
     try:
-        info = preflight.read_checkpoint(last, "last")
-    except ConfigError:
+        info = open_checkpoint(last, "last")
+    except ValueError:
         return (
             "No checkpoint was saved before it (nothing to resume): lower optim.lr or enable clipping "
             "(optim.clip_grad_norm) and start again."
@@ -349,40 +416,34 @@ def build_run_module(plan: RunPlan) -> L.LightningModule:
     return build_module(cfg.task, plan.model, **kwargs)
 
 
-def init_weights_from(module, path: str, resuming: bool, mode: str) -> None:
-    """Fine-tuning: the model weights of a suite checkpoint (``.ckpt``) or a reference state dict, loaded
-    strictly (every name and shape must match); optimizer, schedule and step start afresh."""
-    if mode != "fit":
-        raise ConfigError(f"init_from applies to mode=fit; for mode={mode} pass the checkpoint as ckpt=PATH")
+def init_weights_from(module, found: Checkpoint, resuming: bool) -> None:
+    """Fine-tuning: the model weights of a checked checkpoint (any format), loaded strictly (every name and
+    shape must match); optimizer, schedule and step start afresh."""
     if resuming:
-        print(f"[mega-suite] resuming: init_from={path} ignored (the resumed checkpoint has the weights)")
-        return
-
-    if not Path(path).is_file() and not is_sharded_checkpoint(path) and not is_bundle(path):
-        raise FileNotFoundError(
-            f"init_from={path}: no such checkpoint file (or sharded checkpoint directory or bundle)"
+        print(
+            f"[mega-suite] resuming: init_from={found.path} ignored (the resumed checkpoint has the weights)"
         )
-    if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
-        module.weights_from = str(path)
-        print(f"[mega-suite] model weights will be initialised from {path}")
         return
-
+    if getattr(module, "meta_init", False):  # loaded into the shards once they exist (configure_model)
+        module.weights_from = found
+        print(f"[mega-suite] model weights will be initialised from {found.path}")
+        return
     try:
-        load_reference_file(module.model, path)
+        load_into(module.model, found)
     except ValueError as exc:
-        raise ConfigError(f"init_from={path}: {exc}") from None
-    print(f"[mega-suite] model weights initialised from {path}")
+        raise ConfigError(f"init_from={found.path}: {exc}") from None
+    print(f"[mega-suite] model weights initialised from {found.path}")
 
 
-def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dict[str, Any]:
+def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path, evaluated=()) -> dict[str, Any]:
     """Validation perplexity against context length (figure 5 of the paper) from a checkpoint."""
 
     if any(p.is_meta for p in module.model.parameters()):
         # sharding strategies (and so trainer.chunk_parallel) build the model on the meta device; here every
         # process holds the whole model
         module.materialize(sharded=False)
-    if cfg.ckpt:
-        load_reference_file(module.model, cfg.ckpt)  # a Lightning .ckpt, a state dict or a sharded directory
+    if evaluated:
+        load_into(module.model, evaluated[0])  # any checkpoint format the reader knows
     else:
         print("[mega-suite] eval_context without ckpt=PATH: evaluating the freshly initialised model")
     dm.setup("validate")
@@ -409,15 +470,12 @@ def run_eval_context(cfg: DictConfig, module, dm, trainer, run_dir: Path) -> dic
         rows = eval_context(module.model.to(device), docs, lengths, num_words=words)
     writer = getattr(trainer.logger, "experiment", None)
 
-    spec = arch_of(module.model.cfg)
-    note = f"Model: {spec.name}, {spec.streaming}"
-    if spec.name == "llama":
-        c = module.model.cfg
-        note += f" (window {c.max_seq_len}, stride {c.stride}: context beyond the window is not seen)"
+    note = f"Model: {arch_of(module.model.cfg).context_note(module.model.cfg)}"
     table, plot = write_report(rows, run_dir, writer, note=note)
     print(table.read_text())
     print(f"[mega-suite] wrote {table} and {plot}")
-    return {f"ppl@{r['context']}": r.get("word_ppl", r["token_ppl"]) for r in rows}
+    kind = "word_ppl" if all("word_ppl" in r for r in rows) else "token_ppl"
+    return {f"{kind}@{r['context']}": r[kind] for r in rows}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

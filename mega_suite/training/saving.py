@@ -13,22 +13,34 @@
 - After every write it asks the stop callback (``GracefulStop.after_save``) whether a stop was requested
   meanwhile, so a signal that arrives during a save stops the run at that save's step.
 
-A failed write is a ``CheckpointSaveError`` (``checkpoint.AtomicCheckpointIO``): one line naming the file and
-why (disk full, read-only), the partial file removed, the previous checkpoint kept.
+A failed write is a ``CheckpointSaveError`` (``AtomicCheckpointIO``): one line naming the file and why (disk
+full, read-only), the partial file removed, the previous checkpoint kept.
+
+No weights are stored twice: ``last.ckpt`` written at the step of a new best checkpoint is a hard link to it,
+and the end of a fit does not write ``last.ckpt`` again when it already holds the final step, so a run keeps
+its best checkpoint, ``last.ckpt`` and the previous generation ``last.ckpt.prev``, each once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from mega_suite.storage.atomic import keep_previous, remove_path
 from mega_suite.training.errors import CheckpointSaveError, NonFiniteLossError
 
-__all__ = ["CheckpointSaveError", "NonFiniteLossError", "SuiteCheckpoint", "save_error", "save_last", "why"]
+__all__ = [
+    "AtomicCheckpointIO", "CheckpointSaveError", "NonFiniteLossError", "SuiteCheckpoint", "save_error", "save_last",
+    "why",
+]  # fmt: skip
 
 
 _REASONS = {
@@ -69,6 +81,38 @@ def weights_finite(trainer, pl_module) -> bool:
     return not bool(bad)
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to ``<path>.tmp``, then rename: a kill during the save never leaves a corrupt checkpoint. The
+    checkpoint it replaces stays as ``<path>.prev`` (one generation back: the fallback of ``resume=auto``
+    when the newest cannot be read). A failed write removes its ``.tmp`` and raises ``CheckpointSaveError``
+    (one line: which file, and why). Checkpoints hold only tensors and plain Python values, and load with
+    ``weights_only=True``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            keep_previous(path)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                remove_path(tmp)
+            if isinstance(exc, OSError):
+                raise save_error(path, exc) from None
+            if isinstance(exc, RuntimeError) and "No space left" in str(exc):  # torch's zip writer
+                raise save_error(path, OSError(errno.ENOSPC, "No space left on device")) from None
+            raise
+
+    def load_checkpoint(self, path, map_location=None, **kwargs) -> dict[str, Any]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
 class SuiteCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (best by ``monitor`` and ``last.ckpt``) that writes only good checkpoints and owns
     ``last.ckpt`` (see the module docstring)."""
@@ -76,6 +120,8 @@ class SuiteCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs):
         kwargs.setdefault("save_last", True)
         super().__init__(enable_version_counter=False, **kwargs)
+        self._last_step: int | None = None  # the step last.ckpt holds, as this process wrote it
+        self._best_step: int | None = None  # the step of the best checkpoint this process wrote
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
@@ -108,8 +154,38 @@ class SuiteCheckpoint(ModelCheckpoint):
             if after_save is not None:
                 after_save(trainer, trainer.lightning_module)
 
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        """``last.ckpt`` of this step: a hard link to the best checkpoint when that was just written at the same
+        step (one copy of the weights, not two); nothing when it already holds this step."""
+        if not self.save_last or self._last_step == trainer.global_step:
+            return
+        last = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        best = Path(self.best_model_path) if self.best_model_path else None
+        same_step = (
+            best is not None
+            and best.is_file()
+            and trainer.is_global_zero
+            and self._best_step == trainer.global_step
+        )
+        if same_step and trainer.world_size == 1:
+            tmp = last.with_name(last.name + ".tmp")
+            remove_path(tmp)
+            os.link(best, tmp)
+            keep_previous(last)
+            os.replace(tmp, last)
+            self.last_model_path = str(last)
+        else:
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_step = trainer.global_step
+
+    def _update_best_and_save(self, current, trainer, monitor_candidates) -> None:
+        before = self.best_model_path
+        super()._update_best_and_save(current, trainer, monitor_candidates)
+        if self.best_model_path != before:
+            self._best_step = trainer.global_step
+
     def write_last(self, trainer) -> None:
-        """Write ``last.ckpt`` now (a stop request, the end of the fit)."""
+        """Write ``last.ckpt`` now (a stop request, the end of the fit), unless it holds this step already."""
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 

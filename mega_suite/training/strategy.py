@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from datamodules.common import set_data_parallel
 from mega_suite.distributed.chunk_parallel import ChunkParallelContext
 from mega_suite.distributed.fsdp import build_mesh, data_parallel_rank
-from mega_suite.training.checkpoint import remove_path, replace_checkpoint
+from mega_suite.storage.atomic import remove_path, replace_checkpoint
 from mega_suite.training.saving import save_error
 
 

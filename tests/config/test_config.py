@@ -86,7 +86,7 @@ def test_label_smoothing_is_honoured_without_mixup():
     """DeiT's label smoothing 0.1 applies to hard labels too: with mixup and cutmix off it was ignored."""
     import torch
 
-    from mega_suite.config.run_plan import resolve_plan
+    from mega_suite.config.run_plan import make_plan
     from mega_suite.training.runner import build_run_module
 
     cfg = load_config(
@@ -95,7 +95,7 @@ def test_label_smoothing_is_honoured_without_mixup():
          "model.model_dim=16", "model.z_dim=8", "model.value_dim=16", "model.ffn_hidden_dim=16",
          "model.norm_num_groups=4", "model.cema_ndim=2", "model.image_size=32", "model.chunk_size=4"]
     )  # fmt: skip
-    module = build_run_module(resolve_plan(cfg))
+    module = build_run_module(make_plan(cfg))
     logits = torch.randn(6, 4, dtype=torch.float64)
     label = torch.tensor([0, 1, 2, 3, 1, 0])
     logp = torch.log_softmax(logits, -1)
@@ -106,35 +106,29 @@ def test_label_smoothing_is_honoured_without_mixup():
 
 
 def test_every_data_module_declares_its_contract():
-    """Each data module's class says what it feeds the model (task, input type, document pairs): the one
-    place the configuration checks read; a classifier's data has a class count."""
-    from datamodules import DATAMODULES
+    """Each data module's contract (datamodules/contracts.py, read without importing the module) says what it
+    feeds the model (task, input type, document pairs); a classifier's data has a class count; an unknown
+    name is refused with the nearest ones."""
+    from datamodules.contracts import CONTRACTS
     from mega_suite.config import ConfigError, data_contract
 
     inputs = {"listops": "token", "lra_text": "token", "lra_retrieval": "token", "lra_image": "scalar",
               "lra_pathfinder": "scalar", "lra_pathx": "scalar", "sc_raw": "scalar", "imagenet": "patch"}  # fmt: skip
-    for name, cls in DATAMODULES.items():
-        contract = data_contract(cls)
+    for name in CONTRACTS:
+        contract = data_contract(name)
         assert contract.input_type == inputs.get(name, "token"), name
         assert contract.dual_input == (name == "lra_retrieval"), name
-        assert (contract.task == "classify") == (
-            isinstance(getattr(cls, "num_classes", None), int)
-            or "num_classes" in cls.__init__.__code__.co_varnames
-        ), name
-
-    class Undeclared:
-        pass
-
-    with pytest.raises(ConfigError, match="declares no task"):
-        data_contract(Undeclared)
+        assert (contract.task == "classify") == (contract.num_classes is not None or "num_classes" in contract.options)
+    with pytest.raises(ConfigError, match="data.name='listop' is unknown; nearest: \\['listops'"):
+        data_contract("listop")
 
 
 def test_wt103_global_batch_is_the_papers_147456_tokens_on_any_device_count():
     """6144 tokens x 24 GPUs; sequences of k ~ U{2..6} chunks of 2048 tokens average 8192 tokens."""
-    from mega_suite.config.run_plan import resolve_plan
+    from mega_suite.config.run_plan import make_plan
 
     for devices, accumulate in ((1, 18), (8, 2), (24, 1)):
-        plan = resolve_plan(load_config(["recipe=wt103", f"trainer.devices={devices}"]))
+        plan = make_plan(load_config(["recipe=wt103", f"trainer.devices={devices}"]))
         assert plan.accumulate_grad_batches == accumulate == max(1, round(147456 / (8192 * devices)))
         assert plan.tokens_per_sequence == 8192 and plan.world == devices
 
@@ -182,7 +176,7 @@ def test_float32_matmul_precision_is_checked_and_set_by_every_run(tmp_path):
     default, so that one run's choice does not leak into the next run of the same process."""
     import torch
 
-    from mega_suite.config.run_plan import resolve_plan
+    from mega_suite.config.run_plan import make_plan
     from mega_suite.training.runner import build_trainer
 
     with pytest.raises(ConfigError, match=r"float32_matmul_precision='tf32'; expected one of highest, high"):
@@ -190,7 +184,7 @@ def test_float32_matmul_precision_is_checked_and_set_by_every_run(tmp_path):
     try:
         for value in ("high", "highest"):
             cfg = load_config(["recipe=debug", f"trainer.float32_matmul_precision={value}"])
-            build_trainer(resolve_plan(cfg), tmp_path / value)
+            build_trainer(make_plan(cfg), tmp_path / value)
             assert torch.get_float32_matmul_precision() == value
     finally:
         torch.set_float32_matmul_precision("highest")

@@ -241,7 +241,7 @@ def _load_worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) 
     import torch.distributed as dist
 
     from mega_suite.distributed.fsdp import apply_fsdp, init_sharded
-    from mega_suite.training.checkpoint import load_full_weights
+    from mega_suite.storage.checkpoints import load_full_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -4,7 +4,7 @@ file that a single process evaluates to the same loss; ``mode=test`` reads the s
 
 from __future__ import annotations
 
-import ast
+import json
 import os
 import re
 import signal
@@ -54,15 +54,16 @@ def _run(args: list[str]) -> str:
 def _metrics(out: str) -> dict:
     # rank 1 writes into the same pipe: its partial lines may precede rank 0's summary on one line (only rank
     # 0 prints the summary, in one write)
-    tag = "[mega-suite] done: "
-    line = [x for x in out.splitlines() if tag in x][-1]
-    return ast.literal_eval(line[line.index(tag) + len(tag) :])
+    # the summary names the folder; its metrics.json holds the values at full precision
+    line = [x for x in out.splitlines() if "[mega-suite] done" in x][-1]
+    folder = line[line.rindex("(in ") + 4 : line.rindex(")")]
+    return json.loads((Path(folder) / "metrics.json").read_text())
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from mega_suite.training.checkpoint import sharded_model_state
+    from mega_suite.storage.checkpoints import open_checkpoint
 
-    return sharded_model_state(run_dir / "checkpoints" / "last.ckpt")
+    return open_checkpoint(run_dir / "checkpoints" / "last.ckpt", "ckpt").state()
 
 
 def _step(run_dir: Path) -> int:

@@ -185,7 +185,7 @@ def test_pg19_small_recipe_limited_validation_is_consistent_with_full(tmp_path):
     from omegaconf import OmegaConf
 
     from mega_suite.config import load_config
-    from mega_suite.config.run_plan import resolve_plan
+    from mega_suite.config.run_plan import make_plan
     from mega_suite.training.module import build_module
     from mega_suite.training.runner import run
 
@@ -205,7 +205,7 @@ def test_pg19_small_recipe_limited_validation_is_consistent_with_full(tmp_path):
     part = run(load_config([*small, "mode=validate", f"ckpt={ckpt}", "trainer.limit_val_batches=2"]))
 
     cfg = load_config(small)
-    plan = resolve_plan(cfg)
+    plan = make_plan(cfg)
     dm = plan.build_data()
     dm.setup("validate")
     module = build_module(

@@ -16,6 +16,8 @@ import sentencepiece as spm
 import torch
 from after_fixtures import tiny_bundle, tiny_model
 
+from mega_suite.cli import main as cli
+
 from datamodules.kjv import TOKENIZER
 from mega_suite.evaluation.context import eval_context
 
@@ -150,7 +152,7 @@ def test_compare_puts_two_lm_eval_runs_side_by_side(tmp_path, tmp_path_factory):
                   "results": {"tiny_mc": {"acc,none": 0.25 if arch == "llama" else 0.75, "acc_stderr,none": 0.1}}}  # fmt: skip
         (run_dir / "lm_eval.json").write_text(json.dumps(record))
         runs.append(str(run_dir))
-    assert compare.main([*runs, "--out", str(tmp_path / "cmp")]) == 0
+    assert cli(["compare", *runs, "--out", str(tmp_path / "cmp")]) == 0
     text = (tmp_path / "cmp" / "lm_eval_compare.md").read_text()
     assert re.search(r"\| tiny_mc/acc \| 0\.7500 \| 0\.2500 \|", text)
 

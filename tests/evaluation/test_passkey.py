@@ -70,6 +70,8 @@ def test_the_command_writes_table_figure_and_json(tmp_path, capsys):
         assert [r["length"] for r in record["rows"]] == [64, 128] and (out / "passkey.png").is_file()
         assert "context seen" in (out / "passkey.md").read_text()
         records.append(out)
-    assert passkey.main([str(r) for r in records] + ["--out", str(tmp_path / "both")]) == 0
+    from mega_suite.cli import main
+
+    assert main(["passkey", *[str(r) for r in records], "--out", str(tmp_path / "both")]) == 0
     text = (tmp_path / "both" / "passkey.md").read_text()
     assert "megalodon accuracy" in text and "llama context seen" in text

@@ -21,7 +21,7 @@ from mega_suite import (
     get_config,
 )
 from mega_suite.models.megalodon import PRESETS as MEGALODON_PRESETS
-from mega_suite.training.checkpoint import from_reference, load_reference, load_reference_file, to_reference
+from mega_suite.storage.checkpoints import from_reference, load_into, load_reference, to_reference
 
 MEGALODON = sorted(
     MEGALODON_PRESETS
@@ -286,7 +286,7 @@ def test_reference_round_trip(tmp_path, overrides):
     ):
         path = tmp_path / f"ckpt{i}.pt"
         torch.save(obj, path)
-        loaded = load_reference_file(randomised_model(cfg, seed=3 + i), str(path))
+        loaded = load_into(randomised_model(cfg, seed=3 + i), str(path))
         assert torch.equal(run(loaded, x), run(src, x)), f"checkpoint form {i}"
 
 

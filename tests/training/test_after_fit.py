@@ -56,10 +56,10 @@ def test_the_trained_tokenizer_sees_only_training_documents_and_is_reproducible(
     assert first.name == second.name and first.parent.name == second.parent.name
     assert first.read_bytes() == second.read_bytes()
     # the command: the same file
-    from mega_suite.tools.tokenizer import main
+    from mega_suite.cli import main
 
     out = tmp_path / "cmd.model"
-    assert main([str(corpus), "--vocab-size", "300", "--val-fraction", "0.3", "--cache-dir", str(tmp_path / "cache3"),
+    assert main(["tokenizer", str(corpus), "--vocab-size", "300", "--val-fraction", "0.3", "--cache-dir", str(tmp_path / "cache3"),
                  "--out", str(out)]) == 0  # fmt: skip
     assert out.read_bytes() == first.read_bytes()
     # another corpus: another key

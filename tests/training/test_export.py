@@ -20,7 +20,7 @@ from mega_suite.config import load_config, to_yaml
 from mega_suite.config.resolve import model_config
 from mega_suite.models import build_model
 from mega_suite.models.generation import generate
-from mega_suite.training.export import main as checkpoint_main
+from mega_suite.cli import main as checkpoint_main
 
 # the kjv recipe shrunk; tied embeddings (the recipe's share_emb) as in the real run
 TINY = [
@@ -141,10 +141,10 @@ def test_a_bundle_is_a_checkpoint_for_ckpt_and_init_from_and_a_wrong_one_is_one_
     code = run.main([*TINY, "mode=generate", f"ckpt={bundle}", "prompt=In the beginning", "max_new_tokens=3",
                      "temperature=0", f"run_root={tmp_path / 'gen'}"])  # fmt: skip
     assert code == 0
-    from mega_suite.training.checkpoint import load_reference_file
+    from mega_suite.storage.checkpoints import load_into
 
     target = build_model(model_config(load_config(TINY), vocab_size=VOCAB))
-    load_reference_file(target, str(bundle))  # what init_from= and ckpt= call
+    load_into(target, str(bundle))  # what init_from= and ckpt= call
     assert torch.equal(logits(target, TOKENS), logits(mega_suite.from_pretrained(bundle), TOKENS))
 
     config = json.loads((bundle / "config.json").read_text())

@@ -57,7 +57,7 @@ def test_sharded_checkpoint_replacement_survives_a_kill(tmp_path):
     previous checkpoint in place; a kill between the two renames leaves it in <path>.prev (and an older
     version's <path>.old, which resuming puts back); after the swap the new one is in place and the
     previous one kept as <path>.prev."""
-    from mega_suite.training.checkpoint import recover_checkpoint, replace_checkpoint
+    from mega_suite.storage.atomic import recover_checkpoint, replace_checkpoint
 
     last = tmp_path / "last.ckpt"
     last.mkdir()

@@ -160,7 +160,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(listops_dir, tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    from mega_suite.training.checkpoint import AtomicCheckpointIO
+    from mega_suite.training.saving import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"

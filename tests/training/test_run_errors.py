@@ -92,5 +92,5 @@ def test_the_summary_line_is_rank_zeros_alone(rank, monkeypatch, tmp_path, capsy
     monkeypatch.setattr(rank_zero_only, "rank", rank)
     assert entry.main(["recipe=debug", f"run_root={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    want = "[mega-suite] done: {'test/loss': 1.5, 'run_dir': 'runs/x'}\n"
+    want = "[mega-suite] done: test/loss 1.5 (in runs/x)\n"
     assert out == (want if rank == 0 else ""), out

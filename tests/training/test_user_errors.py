@@ -53,7 +53,7 @@ def world(tmp_path_factory):
     from datamodules import KJVDataModule
     from datamodules.listops_generator import generate_listops
     from mega_suite.config import load_config
-    from mega_suite.training.checkpoint import consolidate
+    from mega_suite.training.export import consolidate
     from mega_suite.training.runner import run
 
     root = tmp_path_factory.mktemp("user")

@@ -3,18 +3,14 @@
 Every size ``llama_X`` has the width of ``megalodon_X`` and a depth and SwiGLU width chosen by
 ``matched_config`` so that the parameter counts agree within 3% (the paper compares Megalodon-7B with
 Llama2-7B); a test checks each pair. Recipes with ``model.arch=llama`` get the match of whatever Megalodon
-the recipe describes, computed the same way.
+the recipe describes, computed the same way. This file imports no torch (the registry's rule).
 """
 
 from __future__ import annotations
 
-from mega_suite.models.llama.model import (
-    LlamaConfig,
-    LlamaLM,
-    count_llama_parameters,
-    head_count,
-    matched_config,
-)
+import importlib
+
+from mega_suite.models.llama.config import LlamaConfig, count_llama_parameters, head_count, matched_config
 from mega_suite.models.registry import ModelSpec, register
 
 _CTX = dict(max_seq_len=4096)  # Llama 2's context window; recipes set their training length
@@ -38,6 +34,12 @@ PRESETS: dict[str, dict] = {
 MATCHES = {name: name.replace("llama_", "megalodon_") for name in PRESETS}
 
 
+def __getattr__(name: str):
+    if name == "LlamaLM":
+        return importlib.import_module("mega_suite.models.llama.model").LlamaLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def flops_per_token(cfg: LlamaConfig, seq_len: int = 0) -> float:
     """6 x (block and head matmul weights) + causal attention: on average L/2 keys per query, Q·K and P·V
     over D each, 2 FLOPs per multiply-add, 3x for forward and backward."""
@@ -47,15 +49,79 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int = 0) -> float:
     return 6 * (cfg.num_layers * block + d * cfg.vocab_size) + 3 * cfg.num_layers * 2 * 2 * d * context / 2
 
 
+def build_model(cfg: LlamaConfig):
+    from mega_suite.models.llama.model import LlamaLM
+
+    return LlamaLM(cfg)
+
+
+def check_recipe(megalodon, seq_len: int | None) -> None:
+    """What a recipe needs for a Llama: a language model without adaptive softmax, with a sequence length."""
+    if megalodon.is_classifier:
+        raise ValueError("model.arch=llama is a causal language model: it needs task=lm")
+    if megalodon.adaptive_cutoffs:
+        raise ValueError(
+            "model.arch=llama has no adaptive input / softmax (model.adaptive_cutoffs, WikiText-103): use "
+            "model.arch=megalodon for this recipe"
+        )
+    if not seq_len:
+        raise ValueError("model.arch=llama needs the data's seq_len (data.options.seq_len) as its window")
+
+
+def from_recipe(megalodon, seq_len: int | None) -> LlamaConfig:
+    """The Llama matched in parameter count to the Megalodon a recipe describes, its window the data's
+    ``seq_len``: the paper's controlled comparison on the same recipe."""
+    import torch
+
+    from mega_suite.models.megalodon import build_model as build_megalodon
+    from mega_suite.models.registry import count_parameters
+
+    check_recipe(megalodon, seq_len)
+    with torch.device("meta"):
+        target = count_parameters(build_megalodon(megalodon))
+    return matched_config(
+        target, megalodon.model_dim, megalodon.vocab_size, megalodon.share_emb, max_seq_len=int(seq_len),
+        norm_eps=megalodon.norm_eps, dropout=megalodon.dropout,
+    )  # fmt: skip
+
+
+def generate(model, prompt, max_new_tokens: int, compile: bool = False, **kwargs):
+    from mega_suite.models.llama.decode import generate as windowed
+
+    if compile:
+        raise ValueError("compile=true applies to Megalodon's static decoder; Llama decodes eagerly")
+    return windowed(model, prompt, max_new_tokens, **kwargs)
+
+
+def context_seen(model, position: int) -> int:
+    from mega_suite.models.llama.decode import LlamaDecoder
+
+    return position + 1 - LlamaDecoder(model).context_start(position)
+
+
+def context_note(cfg: LlamaConfig) -> str:
+    return (
+        f"llama: scored with its window of {cfg.max_seq_len} tokens (sliding window, stride {cfg.stride}: each "
+        f"token sees {cfg.max_seq_len - cfg.stride} to {cfg.max_seq_len - 1} earlier tokens; context beyond "
+        "the window is not seen)"
+    )
+
+
 SPEC = register(
     ModelSpec(
         name="llama",
         config_class=LlamaConfig,
-        build=LlamaLM,
+        build=build_model,
         presets=PRESETS,
         flops_per_token=flops_per_token,
         streaming="sliding window: each token sees between max_seq_len - eval_stride and max_seq_len - 1 "
         "earlier tokens",
+        from_recipe=from_recipe,
+        check_recipe=check_recipe,
+        generate=generate,
+        context_seen=context_seen,
+        context_note=context_note,
+        language_model_only=True,
     )
 )
 
