@@ -4,16 +4,22 @@
 ``SuiteLM`` (registered with the harness as ``mega_suite``) is a ``TemplateLM`` over a model and its
 tokenizer:
 
-- ``loglikelihood``: the continuation's log-probability from the model's own scoring (``token_nll`` on the
-  hidden states of its streaming pass, fed one ``eval_segment`` at a time: memory bounded by a chunk);
-- ``loglikelihood_rolling``: a whole document scored by ``score_window``, the streaming evaluation
-  ``eval_context`` runs (``evaluation/context.py``);
+- ``loglikelihood``: the continuation's log-probability from the model's own log-softmax on the hidden
+  states of its streaming pass, fed one ``eval_segment`` at a time (memory bounded by a chunk);
+- ``loglikelihood_rolling``: a whole document's, from the same streaming pass (``score_window``'s, the
+  evaluation ``eval_context`` runs, ``evaluation/context.py``);
 - ``generate_until``: ``models.generation.generate`` (greedy unless the task samples), stopped at the first
   stop string or EOS, cut there.
 
+The two log-likelihood kinds run ``batch_size`` requests per pass (``lm_eval.batch_size``): sorted longest
+first and grouped by the harness's ``Collator`` (as its HFLM does; requests sharing context and all but the
+last continuation token are scored once), right-padded, and answered in the requests' order. Both models
+are causal, so a row's padding cannot reach its own positions: a batch gives one-at-a-time's numbers (to
+float rounding). ``generate_until`` stays one request at a time (see ``generate_until``).
+
 Megalodon streams its exact recurrent state, so it is scored with its full context. Llama sees its window:
 its streaming pass is the sliding window, and a generation prompt longer than the window keeps its last
-``max_seq_len`` tokens; the report says so. Requests are scored one at a time (batch 1).
+``max_seq_len`` tokens; the report says so.
 
 The harness runs offline (``HF_DATASETS_OFFLINE``, ``HF_HUB_OFFLINE``): a task reads local data
 (``dataset_path: json`` with ``data_files``, relative paths resolved against its YAML's folder) or the
@@ -41,7 +47,6 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mega_suite.config import ConfigError  # noqa: E402
-from mega_suite.evaluation.context import score_window  # noqa: E402
 from mega_suite.models import arch_of  # noqa: E402
 from mega_suite.models.generation import generate  # noqa: E402
 
@@ -66,9 +71,12 @@ _LOCAL_DATASETS = ("json", "csv", "text", "parquet")
 class SuiteLM(TemplateLM):
     """A suite language model and its tokenizer (``TextTokenizer``) as the harness sees them."""
 
-    def __init__(self, model, tokenizer, max_gen_toks: int = 256):
+    def __init__(self, model, tokenizer, max_gen_toks: int = 256, batch_size: int = 16):
         super().__init__()
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"lm_eval.batch_size={batch_size!r} is invalid: expected an integer >= 1")
         self.model = model.eval()
+        self.batch_size = batch_size
         self.tok = tokenizer
         self.max_gen_toks = max_gen_toks
         self.arch = arch_of(model.cfg).name
@@ -94,48 +102,129 @@ class SuiteLM(TemplateLM):
         return tokens if tokens and tokens[0] == self.tok.bos_id else [self.tok.bos_id, *tokens]
 
     # ------------------------------------------------------------------ scoring
-    @torch.no_grad()
-    def continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """log p(continuation | BOS context) and whether every continuation token is the argmax."""
-        tokens = torch.tensor(self._with_bos(context) + list(continuation), device=self._device)
-        inputs, targets = tokens[:-1], tokens[1:]
-        first = inputs.numel() - len(continuation)  # first input position whose target is in the continuation
-        segment = self.model.eval_segment()
-        cache, logprob, greedy = None, 0.0, True
-        for start in range(0, inputs.numel(), segment):
+    def _stream(self, rows: list[list[int]]):
+        """Stream ``rows`` (token lists, right-padded into one batch) through the model one
+        ``eval_segment`` at a time with its cache; yield (start, hidden [B, s, D]) per segment. Both models
+        are causal, so the padding after a row's last token leaves its earlier positions unchanged."""
+        width = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), width), self.tok.eos_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        tokens = tokens.to(self._device)
+        segment, cache = self.model.eval_segment(), None
+        for start in range(0, width, segment):
             hidden, cache = self.model.forward_hidden(
-                inputs[start : start + segment][None], cache, use_cache=True
+                tokens[:, start : start + segment], cache, use_cache=True
             )
-            keep = max(first - start, 0)
-            if keep >= hidden.shape[1]:
+            yield start, hidden
+
+    @torch.no_grad()
+    def _score_batch(self, batch: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """For each (strings, context, continuation) of ``batch``: the log-probability [n] of each
+        continuation token given BOS, the context and the tokens before it, whether each is the argmax [n],
+        and the whole log-softmax row [V] of the last position (for a grouped request that differs in its
+        last token only)."""
+        seqs = [self._with_bos(context) + list(continuation) for _, context, continuation in batch]
+        inputs = [seq[:-1] for seq in seqs]
+        # Flat (row, input position, target) of every continuation token of the batch.
+        rows = torch.tensor([i for i, (_, _, c) in enumerate(batch) for _ in c], device=self._device)
+        pos = torch.tensor(
+            [p for seq, (_, _, c) in zip(seqs, batch) for p in range(len(seq) - 1 - len(c), len(seq) - 1)],
+            device=self._device,
+        )
+        targets = torch.tensor([t for _, _, c in batch for t in c], device=self._device)
+        logp = torch.empty(targets.shape, dtype=torch.float64, device=self._device)
+        greedy = torch.empty(targets.shape, dtype=torch.bool, device=self._device)
+        last: list[torch.Tensor | None] = [None] * len(batch)
+        ends = torch.tensor([len(x) - 1 for x in inputs], device=self._device)
+        for start, hidden in self._stream(inputs):
+            here = ((pos >= start) & (pos < start + hidden.shape[1])).nonzero().squeeze(1)
+            if here.numel() == 0:
                 continue
-            h, y = hidden[:, keep:], targets[start + keep : start + hidden.shape[1]][None]
-            logprob -= float(self.model.token_nll(h, y).sum())
-            greedy &= bool((self.model.logits(h).argmax(-1) == y).all())
-        return logprob, greedy
+            table = torch.log_softmax(self.model.logits(hidden[rows[here], pos[here] - start]), -1)
+            logp[here] = table.gather(-1, targets[here, None]).squeeze(-1).double()
+            greedy[here] = table.argmax(-1) == targets[here]
+            for k in (pos[here] == ends[rows[here]]).nonzero().squeeze(1).tolist():
+                last[int(rows[here[k]])] = table[k]
+        out, at = [], 0
+        for i, (_, _, c) in enumerate(batch):
+            out.append((logp[at : at + len(c)], greedy[at : at + len(c)], last[i]))
+            at += len(c)
+        return out
 
     def _loglikelihood_tokens(
         self, requests, disable_tqdm: bool = False, **kwargs
     ) -> list[tuple[float, bool]]:
+        """Batches of ``batch_size`` requests, longest first, through ``_score_batch``; requests that share
+        context + continuation[:-1] (the choices of a one-token multiple choice) are scored once (the
+        harness's ``Collator``, as HFLM groups them); results in the requests' order."""
+        from lm_eval.models.utils import Collator
+
+        collator = Collator(
+            requests,
+            sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
+            group_by="contexts",
+            group_fn=lambda r: r[1] + r[2][:-1],
+        )
         out = []
-        for strings, context, continuation in tqdm(requests, disable=disable_tqdm, desc="loglikelihood"):
-            out.append(self.continuation_logprob(context, continuation))
-            self.cache_hook.add_partial("loglikelihood", strings, out[-1])
-        return out
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
+        for batch in collator.get_batched(n=self.batch_size):
+            for (strings, context, continuation), (logp, greedy, last) in zip(
+                batch, self._score_batch(batch)
+            ):
+                # get_cache yields every request of the group; its logits argument is unused here (the
+                # scores above are per token, not [n, V])
+                for strings_i, cont, _ in collator.get_cache(
+                    req_str=strings, cxt_toks=context, cont_toks=continuation, logits=torch.empty(1, 0, 0)
+                ):
+                    n = len(cont)
+                    answer = (
+                        (0.0, True)
+                        if n == 0
+                        else (  # an empty continuation: log 1
+                            float(logp[len(logp) - n : -1].sum() + last[cont[-1]].double()),
+                            bool(greedy[len(greedy) - n : -1].all()) and int(last.argmax()) == cont[-1],
+                        )
+                    )
+                    out.append(answer)
+                    if strings_i is not None:
+                        self.cache_hook.add_partial("loglikelihood", strings_i, answer)
+                    bar.update(1)
+        bar.close()
+        return collator.get_original(out)
 
     @torch.no_grad()
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document's total log-likelihood from a streaming pass over all of it (``score_window``'s,
+        as ``eval_context`` scores it), ``batch_size`` documents at a time, longest first."""
+        from lm_eval.models.utils import Collator
+
+        docs = [self.tok.encode(request.args[0], bos=True) for request in requests]
+        collator = Collator(list(enumerate(docs)), sort_fn=lambda d: (-len(d[1]), d[0]))
         out = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
-            (text,) = request.args
-            tokens = torch.tensor(self.tok.encode(text, bos=True), device=self._device)
-            nll, _ = score_window(self.model, tokens, self.model.eval_segment())
-            out.append(-nll)
-            self.cache_hook.add_partial("loglikelihood_rolling", (text,), out[-1])
-        return out
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood_rolling")
+        for batch in collator.get_batched(n=self.batch_size):
+            nll = torch.zeros(len(batch), dtype=torch.float64, device=self._device)
+            width = max(len(doc) for _, doc in batch) - 1
+            targets = torch.full((len(batch), max(width, 0)), -100, dtype=torch.long, device=self._device)
+            for i, (_, doc) in enumerate(batch):
+                targets[i, : len(doc) - 1] = torch.tensor(doc[1:], dtype=torch.long)
+            if width > 0:
+                for start, hidden in self._stream([doc[:-1] for _, doc in batch]):
+                    y = targets[:, start : start + hidden.shape[1]]
+                    nll += self.model.token_nll(hidden, y).double().sum(1)
+            for (index, _), value in zip(batch, nll.tolist()):
+                out.append(-value)
+                self.cache_hook.add_partial("loglikelihood_rolling", requests[index].args, out[-1])
+                bar.update(1)
+        bar.close()
+        return collator.get_original(out)
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """One request at a time: prompts of different lengths in one batch would need left padding or
+        per-row positions, and the decoders have neither (a left pad would enter Megalodon's CEMA and
+        TimestepNorm states as a timestep; Llama's cache has one position for all rows)."""
         out = []
         for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
             context, kwargs = request.args
@@ -270,6 +359,7 @@ def evaluate(lm: SuiteLM, cfg: DictConfig, manager, specs: list) -> dict:
     seed = int(cfg.seed)
     return simple_evaluate(
         model=lm, tasks=specs, num_fewshot=e.num_fewshot, limit=limit, task_manager=manager,
+        batch_size=lm.batch_size,  # recorded in the results' config
         log_samples=True, bootstrap_iters=1000, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=seed,
     )  # fmt: skip
@@ -308,7 +398,10 @@ def run_lm_eval(cfg: DictConfig, loaders: list[Callable[[], Any]], run_dir: Path
     rows, records = [], []
     for index, load in enumerate(loaders):
         trained = load()
-        lm = SuiteLM(trained.model, trained.tokenizer, max_gen_toks=int(cfg.lm_eval.max_gen_toks))
+        lm = SuiteLM(
+            trained.model, trained.tokenizer, max_gen_toks=int(cfg.lm_eval.max_gen_toks),
+            batch_size=int(cfg.lm_eval.batch_size),
+        )  # fmt: skip
         note = f"Model: {trained.context_note()}. Checkpoint: {trained.source}" + (
             f" (step {trained.step}" + (f", {trained.tokens} training tokens)" if trained.tokens else ")")
             if trained.step is not None

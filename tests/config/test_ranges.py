@@ -83,6 +83,7 @@ CASES = {
     "lm_eval.num_fewshot": (["-1"], ["0"]),
     "lm_eval.limit": (["0", "-2"], ["0.5", "10"]),
     "lm_eval.max_gen_toks": (["0"], ["1"]),
+    "lm_eval.batch_size": (["0", "-1"], ["1", "64"]),
     "passkey.samples": (["0"], ["1"]),
     "passkey.lengths": (["[32]", "[1024,10]"], ["[64]", "[1024,2048]"]),
 }
