@@ -131,5 +131,5 @@ def test_seed_groups_are_labelled_by_what_differs(tmp_path):
     ]
     md, _ = compare(runs, tmp_path, group_seeds=True)
     assert set(rows(md.read_text())) == {"kjv optim.lr=0.001 (seeds 1,2)", "kjv optim.lr=0.0005 (seeds 1,2)"}
-    md, _ = compare([runs[0], runs[2]], tmp_path)  # single runs too
+    md, _ = compare([runs[0], runs[2]], tmp_path, overwrite=True)  # single runs too (over the report)
     assert set(rows(md.read_text())) == {"kjv/a1 optim.lr=0.001", "kjv/b1 optim.lr=0.0005"}

@@ -82,14 +82,12 @@ def test_llama_greedy_generation_is_the_argmax_of_its_full_window_forward(stride
 
 def test_compile_true_decodes_through_the_compiled_static_decoder(bundles, tmp_path, capsys, monkeypatch):
     # the compiled StaticDecoder's own equality with the eager step is tests/models/test_decode.py's
-    import mega_suite.models.generation as generation
+    import mega_suite.models.megalodon.decode.generation as streaming
 
     calls = []
-    real = generation.megalodon_generate
+    real = streaming.generate
     monkeypatch.setattr(
-        generation,
-        "megalodon_generate",
-        lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False}),
+        streaming, "generate", lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False})
     )
     args = [f"ckpt={bundles['megalodon']}", "mode=generate", "prompt=And God said", "max_new_tokens=3",
             "temperature=0", "compile=true", f"run_dir={tmp_path}"]  # fmt: skip
@@ -97,14 +95,14 @@ def test_compile_true_decodes_through_the_compiled_static_decoder(bundles, tmp_p
     assert json.loads((tmp_path / "generate.json").read_text())["compile"] is True
     code, _, errors = cli([f"ckpt={bundles['llama']}", "mode=generate", "prompt=x", "compile=true",
                            f"run_root={tmp_path}"], capsys)  # fmt: skip
-    assert code == 2 and "compile=true applies to Megalodon" in errors[0]
+    assert code == 2 and "compile=true applies to a compiled static decoder, which llama has not" in errors[0]
 
 
 def test_input_errors_are_one_line(bundles, tmp_path, capsys):
     long_prompt = " ".join(["the LORD"] * 40)  # more than Llama's 64-token window
     cases = [
         ([f"ckpt={bundles['llama']}", f"prompt={long_prompt}"], "no room to generate"),
-        ([f"ckpt={bundles['megalodon']}", "prompt=x", f"tokenizer={tmp_path / 'missing.model'}"], "missing.model does not exist"),
+        ([f"ckpt={bundles['megalodon']}", "prompt=x", f"tokenizer={tmp_path / 'missing.model'}"], "missing.model: no such file"),
         ([f"ckpt={bundles['megalodon']}", f"prompt_file={tmp_path / 'none.txt'}"], "prompt_file="),
         ([f"ckpt={tmp_path / 'nothing'}", "prompt=x"], "no such checkpoint"),
         (["prompt=x"], "needs ckpt=PATH"),

@@ -227,7 +227,7 @@ def test_init_from_starts_a_new_run_from_checkpoint_weights(listops_dir, tmp_pat
         r"this run builds model.model_dim=32",
     ):
         run(tiny_config(listops_dir, tmp_path / "d", f"init_from={ckpt}", "model.model_dim=32"))
-    with pytest.raises(ValueError, match="init_from applies to mode=fit"):
+    with pytest.raises(ValueError, match=r"init_from=.* is read by mode=fit only \(mode=test\)"):
         run(tiny_config(listops_dir, tmp_path / "e", f"init_from={ckpt}", "mode=test", f"ckpt={ckpt}"))
 
 

@@ -150,7 +150,7 @@ def _checkpoint_rows(world) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "ckpt=random bytes": ([*debug, "mode=test", f"ckpt={bad / 'random.ckpt'}"], ("ckpt=", "not a torch file")),
         "ckpt=truncated": ([*debug, "mode=test", f"ckpt={bad / 'truncated.ckpt'}"], ("ckpt=", "truncated")),
         "ckpt=missing": ([*debug, "mode=test", f"ckpt={bad / 'nope.ckpt'}"], ("ckpt=", "nope.ckpt", "no such")),
-        "ckpt=a folder": ([*debug, "mode=test", f"ckpt={bad}"], ("ckpt=", "not a sharded checkpoint")),
+        "ckpt=a folder": ([*debug, "mode=test", f"ckpt={bad}"], ("ckpt=", "is a folder but not a checkpoint")),
         "init_from=random bytes": ([*debug, f"init_from={bad / 'random.ckpt'}"], ("init_from=", "not a torch file")),
         "init_from=truncated": ([*debug, f"init_from={bad / 'truncated.ckpt'}"], ("init_from=", "truncated")),
         "init_from=another model": (
@@ -209,7 +209,7 @@ def test_a_read_only_run_root_is_one_line(world, capsys, monkeypatch):
         "access",
         lambda p, mode, *a, **k: False if Path(p) == read_only and mode & os.W_OK else real(p, mode),
     )
-    refused(capsys, [*world.debug, f"run_root={read_only}"], "run_root=", "cannot create the run directory",
+    refused(capsys, [*world.debug, f"run_root={read_only}"], "run_root=", "cannot create the folder",
             watch=(*_watch(world), read_only))  # fmt: skip
 
 
@@ -219,7 +219,7 @@ def test_resume_auto_without_any_usable_checkpoint_names_each(world, capsys, tmp
     for ckpt in (broken / "checkpoints").iterdir():
         ckpt.write_bytes(ckpt.read_bytes()[:100])
     refused(capsys, [*world.debug, "resume=auto", f"run_dir={broken}"], "resume=auto", "no usable checkpoint",
-            "last.ckpt: truncated", "last.ckpt.prev: truncated", watch=(*_watch(world), broken))  # fmt: skip
+            "last.ckpt: truncated", "best-step2.ckpt: truncated", watch=(*_watch(world), broken))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ def test_a_save_a_kill_left_behind_is_removed_and_a_truncated_last_is_skipped(wo
     assert entry.main([*world.debug, "resume=auto", f"run_dir={killed}", "trainer.max_steps=3"]) == 0
     out = capsys.readouterr().out
     assert "removed last.ckpt.tmp (1.0 MiB)" in out
-    assert "skipped last.ckpt: truncated" in out and "resuming from last.ckpt.prev (step 2)" in out
+    assert "skipped last.ckpt: truncated" in out and "resuming from best-step2.ckpt (step 2)" in out
     assert _state(last)[1] == 3 and not list((killed / "checkpoints").glob("*.tmp"))
 
 
@@ -488,22 +488,22 @@ def test_two_runs_started_in_the_same_second_never_share_a_directory(world, tmp_
     """The fresh directory is claimed with one mkdir that fails if it exists (it was a check, then a
     create): many claims of the same second's name at once all get their own."""
     from mega_suite.config import load_config
-    from mega_suite.training.preflight import claim_run_dir, resolve_run
+    from mega_suite.storage.runs import claim, training_output
 
     cfg = load_config([*world.debug, f"run_root={tmp_path}"])
-    target = resolve_run(cfg)
+    target, _ = training_output(tmp_path, cfg.recipe, None, None)
     got, barrier = [], threading.Barrier(8)
 
-    def claim():
+    def claim_one():
         barrier.wait()
-        got.append(claim_run_dir(target, cfg))
+        got.append(claim(target).path)
 
-    threads = [threading.Thread(target=claim) for _ in range(8)]
+    threads = [threading.Thread(target=claim_one) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(set(got)) == 8 and all(p.parent == target.run_dir.parent for p in got)
+    assert len(set(got)) == 8 and all(p.parent == target.path.parent for p in got)
 
 
 # ---------------------------------------------------------------------------------------------------------
