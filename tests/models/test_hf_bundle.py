@@ -253,3 +253,13 @@ def test_sampling_divides_the_logits_by_the_temperature_once(temperature, bundle
     sampling.sample_next(logits.float(), temperature=temperature)
     torch.testing.assert_close(seen[0], oracle, atol=1e-6, rtol=1e-4)
     assert (seen[0] - torch.softmax(logits, -1)).abs().max() > 1e-3  # T != 1 changes the distribution
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beam_search_reorders_the_cache(arch, bundles, hf_models):
+    """Beam search with the cache (reordered rows at every step) chooses what it chooses recomputing the
+    prefix without one."""
+    hf = hf_models[arch]
+    prompt = torch.randint(3, 4096, (2, 50), generator=torch.Generator().manual_seed(5))  # Llama: past 64
+    kwargs = dict(max_new_tokens=20, num_beams=3, num_return_sequences=2, do_sample=False)
+    assert torch.equal(hf.generate(prompt, **kwargs), hf.generate(prompt, use_cache=False, **kwargs))

@@ -154,28 +154,18 @@ class _StateCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.position + query_length, 0
 
-    def _tensors(self) -> list[tuple[object, str]]:
+    def _map_rows(self, fn) -> None:
+        """Replace every tensor of the state by ``fn`` of it (their first dimension is the batch)."""
         raise NotImplementedError
 
-    def _map(self, fn) -> None:
-        for owner, name in self._tensors():
-            value = getattr(owner, name) if not isinstance(owner, list) else owner[name]
-            if value is None:
-                continue
-            value = tuple(fn(t) for t in value) if isinstance(value, tuple) else fn(value)
-            if isinstance(owner, list):
-                owner[name] = value
-            else:
-                setattr(owner, name, value)
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._map(lambda t: t[indices])
+        self._map_rows(lambda t: t[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
@@ -415,9 +405,11 @@ class MegalodonCache(_StateCache):
         self.final_norm = model.output.final_norm.initial_state(batch)
         self.pack = None  # the packed one-token weights, set by the model
 
-    def _tensors(self):
-        fields = [(s, name) for s in self.layers_state for name in ("norm", "cema", "keys", "values")]
-        return fields + [(self, "final_norm")]
+    def _map_rows(self, fn) -> None:
+        for s in self.layers_state:
+            s.norm = tuple(fn(t) for t in s.norm)
+            s.cema, s.keys, s.values = (None if t is None else fn(t) for t in (s.cema, s.keys, s.values))
+        self.final_norm = tuple(fn(t) for t in self.final_norm)
 
     @property
     def batch_size(self) -> int:
@@ -680,9 +672,10 @@ class LlamaCache(_StateCache):
         self.values: list[Tensor | None] = [None] * len(model.layers)
         self.pack = None
 
-    def _tensors(self):
-        n = len(self.keys)
-        return [(self, "tokens")] + [(self.keys, i) for i in range(n)] + [(self.values, i) for i in range(n)]
+    def _map_rows(self, fn) -> None:
+        self.tokens = fn(self.tokens)
+        self.keys = [None if t is None else fn(t) for t in self.keys]
+        self.values = [None if t is None else fn(t) for t in self.values]
 
     @property
     def batch_size(self) -> int:
@@ -850,7 +843,6 @@ class MegaSuiteForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _is_stateful = True  # the cache cannot be cropped: no assisted decoding
-    _supports_cache_class = True
 
     def __init__(self, config: MegaSuiteConfig):
         super().__init__(config)
