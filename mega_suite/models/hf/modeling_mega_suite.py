@@ -37,7 +37,6 @@ from .configuration_mega_suite import MegaSuiteConfig
 
 # transformers 5 renamed the cache argument and output field from past_key_values to cache
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-_CEMA_BLOCK = 64  # time steps per block of the chunked CEMA convolution
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -266,68 +265,69 @@ class ComplexEMA(nn.Module):
         return p, q, torch.complex(g[..., 0], g[..., 1])
 
     def forward(self, x: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor]:
-        """x [B, L, D] float32, h0 [B, D, N] complex or None (zeros) -> (y [B, L, D], h_{L-1} [B, D, N])."""
+        """x [B, L, D] float32, h0 [B, D, N] complex or None (zeros) -> (y [B, L, D], h_{L-1} [B, D, N]).
+
+        The convolution form: y = k * x + Re(Σ_n γ q^(t+1) h0) + ω x with k_l = Re(Σ_n γ p q^l), by FFT;
+        the state after the last step h = Σ_s p q^(L-1-s) x_s + q^L h0."""
         p, q, gamma = self.coefficients()
         re, im = q.real.double(), q.imag.double()
-        log_q = torch.complex(0.5 * torch.log(re * re + im * im), torch.atan2(im, re))  # powers: exp(l log q)
+        log_q = torch.complex(0.5 * torch.log(re * re + im * im), torch.atan2(im, re))  # q^l = exp(l log q)
         xt = x.transpose(1, 2)  # [B, D, L]
-        length = x.shape[1]
-        full = length // _CEMA_BLOCK * _CEMA_BLOCK
-        ys, h = [], h0
-        if full:
-            y, h = _cema_blocks(xt[..., :full], p, q, gamma, log_q, _CEMA_BLOCK, h)
-            ys.append(y)
-        if length > full:
-            y, h = _cema_blocks(xt[..., full:], p, q, gamma, log_q, length - full, h)
-            ys.append(y)
-        if h is None:  # an empty segment
-            h = torch.zeros(x.shape[0], x.shape[2], q.shape[1], dtype=q.dtype, device=x.device)
-        y = torch.cat(ys, -1).transpose(1, 2) if ys else x.new_zeros(x.shape)
-        return y + self.omega.float().squeeze(-1) * x, h
+        length = xt.shape[-1]
+        k = _vandermonde((gamma * p).unsqueeze(0), log_q, length)[0]  # [D, L]
+        n_fft = (
+            1 << max(0, 2 * length - 2).bit_length()
+        )  # >= 2L - 1: the circular convolution is the linear one
+        y = torch.fft.irfft(torch.fft.rfft(xt, n=n_fft) * torch.fft.rfft(k, n=n_fft), n=n_fft)[..., :length]
+        if h0 is not None:
+            y = y + _vandermonde(gamma * q * h0, log_q, length)
+        h = _final_state(xt, p, log_q, h0)
+        return y.transpose(1, 2) + self.omega.float().squeeze(-1) * x, h
 
 
-def _powers(log_q: Tensor, count: int) -> Tensor:
-    """q^l for l = 0..count-1 as complex64 [D, N, count], from log q in float64."""
-    steps = torch.arange(count, dtype=torch.float64, device=log_q.device)
-    magnitude = torch.exp(log_q.real.unsqueeze(-1) * steps)
-    angle = log_q.imag.unsqueeze(-1) * steps
-    return torch.complex(magnitude * torch.cos(angle), magnitude * torch.sin(angle)).to(torch.complex64)
+def _powers(log_q: Tensor, steps: Tensor) -> Tensor:
+    """exp(steps · log q) as complex64 (log_q complex128 and steps broadcast): the phase is reduced modulo 2π
+    in float64, then cos, sin and exp run in float32."""
+    angle = log_q.imag * steps
+    phase = (angle - (2 * math.pi) * torch.floor(angle * (0.5 / math.pi))).float()
+    magnitude = torch.exp(log_q.real * steps).float()
+    return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
 
 
-def _cema_blocks(x: Tensor, p: Tensor, q: Tensor, gamma: Tensor, log_q: Tensor, t: int, h0: Tensor | None):
-    """CEMA without ω over blocks of t steps: x [B, D, A·t] -> (y [B, D, A·t], state after the last step).
+def _vandermonde(c: Tensor, log_q: Tensor, length: int) -> Tensor:
+    """out[m, d, l] = Re(Σ_n c[m, d, n] q[d, n]^l) for l < length, c [M, D, N] complex -> [M, D, length].
 
-    Inside a block y_i = Σ_{j<=i} k_{i-j} x_j with k_l = Re(Σ_n γ p q^l) (a Toeplitz product); between blocks
-    the state h = q^t h + Σ_j p q^{t-1-j} x_j is carried, and it adds Re(Σ_n γ q^{i+1} h) at step i."""
+    Blockwise, l = a·T + b with T ≈ sqrt(length): a product of the tables q^(aT) [A, N] and q^b [N, T] per
+    channel, never a [D, N, length] table."""
+    m, d, n = c.shape
+    t = max(1, math.ceil(math.sqrt(length)))
+    a = math.ceil(length / t)
+    steps = lambda count, scale: torch.arange(count, device=c.device, dtype=torch.float64) * scale  # noqa: E731
+    q_at = _powers(log_q.unsqueeze(1), steps(a, t).view(1, a, 1))  # [D, A, N]
+    q_b = _powers(log_q.unsqueeze(-1), steps(t, 1).view(1, 1, t))  # [D, N, T]
+    left = (c.permute(1, 0, 2).unsqueeze(2) * q_at.unsqueeze(1)).reshape(d, m * a, n)
+    # Re(L R) = Re L Re R - Im L Im R: one real product of width 2N
+    out = torch.bmm(torch.cat([left.real, -left.imag], -1), torch.cat([q_b.real, q_b.imag], 1))
+    return out.reshape(d, m, a * t)[..., :length].permute(1, 0, 2)
+
+
+def _final_state(x: Tensor, p: Tensor, log_q: Tensor, h0: Tensor | None) -> Tensor:
+    """h_{L-1} = Σ_s p q^(L-1-s) x_s + q^L h0 for x [B, D, L] -> [B, D, N] complex64, blockwise as above over
+    the reversed time r = L-1-s = a·T + j."""
     b, d, length = x.shape
-    a, n = length // t, q.shape[-1]
-    pw = _powers(log_q, t + 1)  # [D, N, t + 1]: q^0 .. q^t
-    k = (gamma * p).unsqueeze(-1).mul(pw[..., :t]).real.sum(1)  # [D, t]
-    idx = torch.arange(t, device=x.device)
-    lag = idx.view(t, 1) - idx.view(1, t)
-    toeplitz = k[:, lag.clamp(min=0)] * (lag >= 0)  # [D, t, t]
-    xc = x.reshape(b, d, a, t).permute(1, 2, 0, 3).reshape(d, a * b, t)  # [D, (A, B), t]
-    y = torch.bmm(xc, toeplitz.transpose(1, 2))  # [D, (A, B), t]
-    w = (pw[..., :t].flip(-1) * p.unsqueeze(-1)).transpose(1, 2)  # [D, t, N]: p q^{t-1-j}
-    local = torch.bmm(xc, torch.cat([w.real, w.imag], -1))  # Σ_j x_j p q^{t-1-j}, [D, (A, B), 2N]
-    local = torch.complex(local[..., :n], local[..., n:]).view(d, a, b, n)
-    decay = pw[..., t].unsqueeze(1)  # q^t [D, 1, N]
-    h = None if h0 is None else h0.transpose(0, 1)  # [D, B, N]
-    starts = []
-    for i in range(a):
-        starts.append(h)
-        h = local[:, i] if h is None else decay * h + local[:, i]
-    if any(s is not None for s in starts):
-        zero = torch.zeros_like(local[:, 0])
-        h_start = torch.stack([zero if s is None else s for s in starts], 1).reshape(d, a * b, n)
-        g = (gamma.unsqueeze(-1) * pw[..., 1:]).transpose(1, 2)  # [D, t, N]: γ q^{i+1}
-        # Re(h g) = Re h Re g - Im h Im g, one real product
-        inter = torch.bmm(
-            torch.cat([h_start.real, -h_start.imag], -1), torch.cat([g.real, g.imag], -1).transpose(1, 2)
-        )
-        y = y + inter
-    y = y.view(d, a, b, t).permute(2, 0, 1, 3).reshape(b, d, length)
-    return y, h.transpose(0, 1)
+    n = log_q.shape[-1]
+    t = max(1, math.ceil(math.sqrt(length)))
+    a = math.ceil(length / t)
+    rev = F.pad(x.flip(-1), (0, a * t - length)).reshape(b, d, a, t).permute(1, 0, 2, 3).reshape(d, b * a, t)
+    steps = torch.arange(max(a, t), device=x.device, dtype=torch.float64)
+    q_j = _powers(log_q.unsqueeze(1), steps[:t].view(1, t, 1))  # [D, T, N]
+    inner = torch.bmm(rev, torch.cat([q_j.real, q_j.imag], -1))  # Σ_j x q^j, [D, B·A, 2N]
+    inner = torch.complex(inner[..., :n], inner[..., n:]).view(d, b, a, n)
+    q_at = _powers(log_q.unsqueeze(1), (steps[:a] * t).view(1, a, 1))  # [D, A, N]
+    h = ((inner * q_at.unsqueeze(1)).sum(2) * p.unsqueeze(1)).transpose(0, 1)  # [B, D, N]
+    if h0 is not None:
+        h = h + _powers(log_q, torch.tensor(float(length), dtype=torch.float64, device=x.device)) * h0
+    return h
 
 
 class RMSNorm(nn.Module):
