@@ -8,7 +8,7 @@ tests/models/test_hf_bundle.py holds it to the suite model: logits, every cached
 tokens, in a process where importing mega_suite, kernels and datamodules fails. A change to the suite's math
 must be made here too.
 
-Megalodon: TimestepNorm, CEMA (chunked convolution with carried state; the one-token recurrence), the
+Megalodon: TimestepNorm, CEMA (the convolution form by FFT, with carried state; the one-token recurrence), the
 normalised chunk attention with RoPE restarting in every chunk, the gated output, the two-hop residual with
 the normalised FFN, the final TimestepNorm and float32 logits. ``MegalodonCache`` holds per block the norm
 statistics, the CEMA state and the keys / values of the unfinished chunk: O(C) memory at any length.
