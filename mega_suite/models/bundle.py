@@ -1,6 +1,7 @@
 """Shareable weights: a folder with ``model.safetensors`` (sharded with an index when large), ``config.json``
-and the tokenizer, readable by ``from_pretrained`` here and by ``transformers`` (``AutoModelForCausalLM`` with
-``trust_remote_code``: the wrapper's two files, ``models/hf/``, are copied beside the weights).
+and the tokenizer, readable by ``from_pretrained`` here and by ``transformers`` alone (``AutoModelForCausalLM``
+with ``trust_remote_code``: the standalone model's two files, ``models/hf/``, are copied beside the weights;
+``AutoTokenizer``: a fast ``tokenizer.json`` converted from the run's tokenizer, ``models/hf/tokenizer.py``).
 
 Tensor names are the model's own with the wrapper's ``model.`` prefix. A tied output projection is stored
 once, under the embedding's name (safetensors refuses two names for one tensor), and ``config.json`` lists the
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,7 @@ def save_bundle(
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / INDEX).write_text(json.dumps(index, indent=2))
     stored = next(iter(tensors.values())).dtype if dtype is None else dtype
+    token_ids = _write_tokenizer(tokenizer, out, extra or {}) if tokenizer is not None else {}
     config = {
         "model_type": "mega_suite",
         "architectures": ["MegaSuiteForCausalLM"],
@@ -124,17 +127,38 @@ def save_bundle(
         "weights_dtype": str(stored).removeprefix("torch."),
         "dtype": "float32",  # the wrapper computes as the suite does (float32 islands); weights cast on load
         "mega_suite_format": FORMAT,
+        **token_ids,
         **(extra or {}),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if token_ids:  # generate()'s defaults: the token ids (it stops at EOS) and mode=generate's sampling,
+        # temperature 1 over the whole vocabulary (transformers would otherwise keep only the top 50 tokens)
+        generation = {**token_ids, "do_sample": True, "temperature": 1.0, "top_k": 0}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     here = Path(__file__).resolve().parent / "hf"
     for name in HF_FILES:
         shutil.copyfile(here / name, out / name)
-    if tokenizer is not None:
-        from datamodules.tokenizer import copy_tokenizer
-
-        copy_tokenizer(tokenizer, out)
     return out
+
+
+def _write_tokenizer(tokenizer: str | os.PathLike, out: Path, extra: dict) -> dict:
+    """Copy the run's tokenizer into the bundle and write transformers' tokenizer files beside it; returns the
+    token ids for config.json (``extra``'s BOS / EOS ids win over the tokenizer file's defaults)."""
+    from datamodules.tokenizer import TextTokenizer, copy_tokenizer
+    from mega_suite.models.hf.tokenizer import write_hf_tokenizer
+
+    copy = copy_tokenizer(tokenizer, out)
+    bos, eos = extra.get("bos_token_id"), extra.get("eos_token_id")
+    if bos is None or eos is None:
+        tok = TextTokenizer(copy)
+        bos, eos = tok.bos_id if bos is None else bos, tok.eos_id if eos is None else eos
+    try:
+        return write_hf_tokenizer(copy, out, bos, eos)
+    except ImportError as exc:  # transformers is the optional eval group; the bundle still loads in the suite
+        warnings.warn(
+            f"{out}: no tokenizer.json for AutoTokenizer ({exc}); install the eval group", stacklevel=3
+        )
+        return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
 
 
 def read_config(path: str | os.PathLike):

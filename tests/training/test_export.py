@@ -1,6 +1,6 @@
 """Shareable weights: a run's checkpoint (Lightning file, or FSDP2-sharded on 2 gloo ranks) exported as a
-safetensors bundle loads back to bit-equal logits, through mega_suite.from_pretrained and through
-transformers' AutoModelForCausalLM (trust_remote_code); tied embeddings export; a bundle is accepted by
+safetensors bundle loads back to bit-equal logits through mega_suite.from_pretrained, and to the same logits
+(float32 rounding) through transformers' AutoModelForCausalLM (trust_remote_code); tied embeddings export; a bundle is accepted by
 ckpt= / init_from=; a bundle with a wrong config is one error line."""
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def test_export_then_load_gives_bit_equal_logits_also_through_transformers(arch,
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    assert torch.equal(hf(TOKENS).logits.detach(), logits(model, TOKENS))
+    want = logits(model, TOKENS)  # the bundle's standalone model: same math, its own op order for Megalodon
+    torch.testing.assert_close(hf(TOKENS).logits.detach(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
     from datamodules.tokenizer import TextTokenizer
 
     tok = TextTokenizer(out / "tokenizer.model")

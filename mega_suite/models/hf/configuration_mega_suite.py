@@ -1,5 +1,7 @@
 """transformers configuration of a mega-suite bundle: the suite's own model config (``suite_config``, the
-fields of the architecture named by ``arch``) carried inside a ``PreTrainedConfig``."""
+fields of the architecture named by ``arch``) carried inside a ``PreTrainedConfig``.
+
+Imports transformers only: this file is copied into every bundle (docs/after_training.md#shareable-weights)."""
 
 from __future__ import annotations
 
@@ -23,5 +25,5 @@ class MegaSuiteConfig(PreTrainedConfig):
         self.tied_weights = dict(tied_weights or {})
         self.mega_suite_format = mega_suite_format
         self.vocab_size = vocab_size
-        kwargs.setdefault("use_cache", False)  # the wrapper recomputes the prefix; mode=generate streams
+        kwargs.setdefault("use_cache", True)  # generate() decodes one token per step with the model's cache
         super().__init__(**kwargs)
