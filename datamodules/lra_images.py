@@ -149,7 +149,13 @@ class CIFAR10GrayDataModule(LRADataModule):
 
 # What a CIFAR-10 python batch (NumPy arrays in a dict, pickled by Python 2 or 3) may name; anything else in
 # one of its files is refused before it could run.
-_NUMPY = {"numpy", "numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric", "numpy._core.numeric"}
+_NUMPY = {
+    "numpy",
+    "numpy.core.multiarray",
+    "numpy._core.multiarray",
+    "numpy.core.numeric",
+    "numpy._core.numeric",
+}
 
 
 def _cifar_global(module: str, name: str) -> bool:

@@ -13,7 +13,7 @@ What a command line says is taken as a user means it (docs/configuration.md#over
   lists of names;
 - interpolations (``${oc.env:HOME}``) are resolved once here, and an unresolvable one is one error line;
 - ``~`` in a path is the user's home;
-- ``recipe=NAME`` is ``recipes/NAME.yaml`` (a name cannot climb out of ``recipes/``); ``recipe=PATH.yaml``
+- ``recipe=NAME`` is the file NAME.yaml in ``recipes/`` (a name cannot climb out of it); ``recipe=PATH.yaml``
   reads that file, and the run still goes under ``run_root/<its name>``.
 
 Nothing here imports torch: a mistake is reported within a moment of Python's start-up.

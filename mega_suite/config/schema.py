@@ -115,7 +115,9 @@ class LmEvalSection:  # mode=lm_eval: EleutherAI's lm-evaluation-harness (docs/a
         default_factory=list
     )  # score several: checkpoint paths, or one run directory
     max_gen_toks: int = 256  # generate-until tasks that set no max_gen_toks
-    batch_size: int = 16  # requests per pass; 16: near the fastest of 4, 16, 64 on the CPU (bench/lm_eval_batch.py)
+    batch_size: int = (
+        16  # requests per pass; 16: near the fastest of 4, 16, 64 on the CPU (bench/lm_eval_batch.py)
+    )
 
 
 @dataclass

@@ -94,7 +94,9 @@ def save_bundle(
         )
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and not is_bundle(out):
-        raise BundleError(f"{out} holds files and is not a bundle: a bundle is written into a new or empty folder")
+        raise BundleError(
+            f"{out} holds files and is not a bundle: a bundle is written into a new or empty folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     state = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())
     tied = _tied_names(model, state)

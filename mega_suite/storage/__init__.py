@@ -1,4 +1,4 @@
-"""What the suite reads from and writes to a user's disk (docs/configuration.md#what-a-command-reads-and-writes).
+"""What the suite reads from and writes to a user's disk (docs/configuration.md#what-a-command-writes).
 
 - ``checkpoints``: the one reader of checkpoints. A file, a sharded folder, a bundle or a run folder is
   recognised, validated and loaded by one function for every mode and tool; nothing is unpickled except

@@ -1,4 +1,4 @@
-"""The one reader of checkpoints (docs/configuration.md#checkpoints-a-command-reads).
+"""The one reader of checkpoints (docs/configuration.md#checkpoints).
 
 ``open_checkpoint(value, key)`` takes whatever a user names with ``ckpt=``, ``init_from=``, ``resume=`` or a
 tool's argument, recognises it and checks it, without loading its tensors:

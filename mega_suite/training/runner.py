@@ -262,6 +262,10 @@ def claimed(plan: RunPlan) -> Iterator[Path]:
 
 
 def _after_training(plan: RunPlan) -> dict[str, Any]:
+    if plan.mode == "lm_eval":  # a misspelt task name before any model is loaded
+        from mega_suite.evaluation.harness import check_task_names
+
+        check_task_names(list(plan.cfg.lm_eval.tasks), plan.cfg.lm_eval.include_path)
     loaders = load_evaluated(plan)  # the model and tokenizer: checked before the folder exists
     if plan.mode == "generate":
         check_generate(plan.cfg, loaders[0](), plan.prompt)
@@ -276,10 +280,16 @@ def _after_training(plan: RunPlan) -> dict[str, Any]:
     return {**metrics, "run_dir": str(folder)}
 
 
+SETUP_STAGE = {"fit": "fit", "validate": "validate", "test": "test", "eval_context": "validate"}
+
+
 def _with_trainer(plan: RunPlan, extra_callbacks: list | None) -> dict[str, Any]:
     cfg = plan.cfg
     dm = plan.build_data()
     dm.prepare_data()
+    dm.setup(
+        SETUP_STAGE[plan.mode]
+    )  # reads (and checks) the data now, before a folder exists; kept for the trainer
     plan = plan.with_data(dm)
     if plan.global_batch_line():
         print(f"[mega-suite] {plan.global_batch_line()}")
@@ -331,7 +341,13 @@ def model_line(model) -> str:
     from mega_suite.models import count_parameters
 
     total = count_parameters(model)
-    size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M" if total >= 1e6 else f"{total / 1e3:.1f}K"
+    size = (
+        f"{total / 1e9:.2f}B"
+        if total >= 1e9
+        else f"{total / 1e6:.2f}M"
+        if total >= 1e6
+        else f"{total / 1e3:.1f}K"
+    )
     return f"{type(model).__name__}, {size} parameters"
 
 

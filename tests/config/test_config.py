@@ -118,7 +118,9 @@ def test_every_data_module_declares_its_contract():
         contract = data_contract(name)
         assert contract.input_type == inputs.get(name, "token"), name
         assert contract.dual_input == (name == "lra_retrieval"), name
-        assert (contract.task == "classify") == (contract.num_classes is not None or "num_classes" in contract.options)
+        assert (contract.task == "classify") == (
+            contract.num_classes is not None or "num_classes" in contract.options
+        )
     with pytest.raises(ConfigError, match="data.name='listop' is unknown; nearest: \\['listops'"):
         data_contract("listop")
 

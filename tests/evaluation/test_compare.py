@@ -16,6 +16,7 @@ from mega_suite.evaluation.compare import CompareError, compare
 def main(argv):  # mega-suite compare ...
     return cli(["compare", *argv])
 
+
 TRAIN = {0: 8.0, 1: 7.0, 2: 6.5, 3: 6.0, 4: 5.5}  # step -> train/loss of seed 1; seed 2 adds `shift`
 VAL = {2: 6.8, 4: 6.9}  # val/loss; the best is at step 2
 TEST = {2: 7.1, 4: 7.3}

@@ -87,7 +87,9 @@ def test_compile_true_decodes_through_the_compiled_static_decoder(bundles, tmp_p
     calls = []
     real = streaming.generate
     monkeypatch.setattr(
-        streaming, "generate", lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False})
+        streaming,
+        "generate",
+        lambda *a, **k: calls.append(k["compile"]) or real(*a, **{**k, "compile": False}),
     )
     args = [f"ckpt={bundles['megalodon']}", "mode=generate", "prompt=And God said", "max_new_tokens=3",
             "temperature=0", "compile=true", f"run_dir={tmp_path}"]  # fmt: skip
