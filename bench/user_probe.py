@@ -76,7 +76,6 @@ def build_world(root: Path) -> Path:
         )
     )
     kjv = run(load_config([*KJV, f"data.data_dir={root / 'kjv'}", f"run_dir={runs / 'kjv' / 'run1'}", *fast]))
-    debug_last = Path(debug["run_dir"]) / "checkpoints" / "last.ckpt"
     kjv_last = Path(kjv["run_dir"]) / "checkpoints" / "last.ckpt"
 
     bad = root / "bad"

@@ -24,9 +24,8 @@ import sentencepiece as spm
 import torch
 from after_fixtures import tiny_bundle, tiny_model
 
-from mega_suite.cli import main as cli
-
 from datamodules.kjv import TOKENIZER
+from mega_suite.cli import main as cli
 from mega_suite.evaluation.context import eval_context
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -153,7 +152,6 @@ def test_the_report_says_how_much_context_the_model_saw(harness_run):
 
 
 def test_compare_puts_two_lm_eval_runs_side_by_side(tmp_path, tmp_path_factory):
-    from mega_suite.evaluation import compare
 
     runs = []
     for arch in ("megalodon", "llama"):

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from spawn_support import free_port, spawn
 
 import mega_suite
+from mega_suite.cli import main as checkpoint_main
 from mega_suite.config import load_config, to_yaml
 from mega_suite.config.resolve import model_config
 from mega_suite.models import build_model
 from mega_suite.models.generation import generate
-from mega_suite.cli import main as checkpoint_main
 
 # the kjv recipe shrunk; tied embeddings (the recipe's share_emb) as in the real run
 TINY = [
