@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from omegaconf import OmegaConf
 
 from mega_suite.errors import UserError
 
@@ -128,38 +129,40 @@ def read_scalars(path: Path) -> tuple[dict[str, Curve], float]:
     return curves, start
 
 
-def device_count(devices) -> tuple[int, str]:
-    if isinstance(devices, int):
-        return devices, ""
-    if isinstance(devices, list):
-        return len(devices), ""
-    if isinstance(devices, str) and devices.isdigit():
-        return int(devices), ""
-    return 1, f" (devices={devices} counted as 1)"
+def tokens_per_step(config: dict, source: Path) -> tuple[float, str]:
+    """Training tokens per optimizer step of a run and how they were counted: its ``plan.json`` when it has one
+    (what the run itself used), else its resolved configuration through the same formula
+    (``mega_suite.config.resolve.tokens_per_step``)."""
+    plan = source.parent / "plan.json"
+    if plan.is_file():
+        try:
+            recorded = json.loads(plan.read_text())
+            if recorded.get("tokens_per_step"):
+                return float(recorded["tokens_per_step"]), f"{recorded['tokens_per_step_how']} (plan.json)"
+        except (OSError, ValueError, KeyError):
+            pass
+    from mega_suite.config.resolve import tokens_per_step as formula
+    from mega_suite.config.schema import RunConfig
 
-
-def tokens_per_step(config: dict, source: Path) -> tuple[int, str]:
-    """Training tokens per optimizer step from a resolved configuration, and how they were computed."""
     try:
-        data, trainer = config["data"], config["trainer"]
-        seq_len = (data.get("options") or {}).get("seq_len")
-        length_key = "seq_len"
-        if not seq_len:
-            seq_len, length_key = data["max_length"], "max_length (upper bound)"
-        devices, note = device_count(trainer.get("devices", 1))
-        nodes = int(trainer.get("num_nodes", 1))
-        per_step = int(data["batch_size"]) * int(seq_len) * devices * nodes
-        accumulate = int(trainer.get("accumulate_grad_batches", 1))
-        if int(trainer.get("global_batch_tokens", 0) or 0) > 0:
-            accumulate = max(1, round(int(trainer["global_batch_tokens"]) / per_step))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CompareError(f"{source}: cannot compute tokens per step ({exc!r} missing or invalid)") from None
-    total = per_step * accumulate
-    how = (
-        f"{total} tokens/step from config.yaml = batch {data['batch_size']} x {length_key} {seq_len} "
-        f"x accumulate {accumulate} x devices {devices} x nodes {nodes}{note}"
-    )
-    return total, how
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config))
+        result = formula(cfg, devices=_devices(cfg.trainer.devices))
+    except Exception as exc:  # noqa: BLE001  (an older or hand-edited config.yaml)
+        raise CompareError(f"{source}: cannot compute tokens per step ({' '.join(str(exc).split())[:160]})") from None
+    if result is None:
+        raise CompareError(f"{source}: the run's data has no sequence length to count tokens per step")
+    total, how = result
+    return total, f"{how} (config.yaml)"
+
+
+def _devices(devices) -> int:
+    """``trainer.devices`` of a finished run as a count (``auto`` counts as 1: the host that compares may
+    have no GPU)."""
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, list) or OmegaConf.is_list(devices):
+        return len(devices)
+    return int(devices) if str(devices).isdigit() else 1
 
 
 def load_run(path: str | Path) -> Run:

@@ -28,9 +28,10 @@ def write_run(root: Path, name: str, seed: int, shift: float = 0.0, lr: float = 
     run.mkdir(parents=True)
     config = {
         "recipe": "kjv",
+        "task": "lm",
         "seed": seed,
         "run_dir": str(run),
-        "data": {"batch_size": 2, "max_length": 2000, "options": {"seq_len": 16}},
+        "data": {"name": "kjv", "batch_size": 2, "options": {"seq_len": 16}},
         "optim": {"lr": lr},
         "trainer": {"accumulate_grad_batches": 3, "devices": 1, "num_nodes": 1, "global_batch_tokens": 0},
     }
@@ -77,7 +78,7 @@ def test_table_and_plot(tmp_path):
     assert row["val/loss best"] == "6.8 (after 3 steps)" and row["val/loss final"] == "6.9"
     assert row["test/loss @ best val"] == "7.1"
     assert row["val/ppl best"] == "900 (after 5 steps)"
-    assert "96 tokens/step from config.yaml = batch 2 x seq_len 16 x accumulate 3" in text
+    assert "96 tokens/step = batch 2 x tokens per sequence 16 x accumulate 3 x devices 1 x nodes 1 (config.yaml)" in text
     assert rows(text)["kjv/c"]["tokens"] == "4,000"  # the logged counter at step 4, not the config
     assert "kjv/c: tokens from the logged counter train/tokens_seen" in text
 
