@@ -72,6 +72,18 @@ def make_prompt(
     return ids, 1 + at
 
 
+# a number: a run of digits and its decimal part; a point not followed by a digit is a full stop
+FIRST_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def score(answer: str, key: str) -> tuple[bool, float]:
+    """(right, share of digits right): right when the first number ``answer`` writes is ``key``
+    (docs/after_training.md#passkey); the share compares that number with the key position by position."""
+    found = FIRST_NUMBER.search(answer)
+    guess = found.group(0) if found else ""
+    return guess == key, sum(a == b for a, b in zip(guess, key)) / len(key)
+
+
 def visible(model, prompt: list[int]) -> int:
     """How many of the prompt's last tokens the model sees when it answers."""
     window = getattr(model.cfg, "max_seq_len", None)
@@ -94,11 +106,9 @@ def evaluate(model, tok, lengths: list[int], samples: int, hay: list[int], seed:
             prompt = torch.tensor([ids[len(ids) - seen :]], device=device)
             in_view += at >= len(ids) - seen
             out = generate(model, prompt, NEW_TOKENS, greedy=True, eos_id=tok.eos_id)
-            answer = tok.decode(out[0, prompt.shape[1] :].tolist())
-            found = re.search(r"\d+", answer)
-            guess = found.group(0) if found else ""
-            right += guess == key
-            digits += sum(a == b for a, b in zip(guess, key)) / len(key)
+            ok, share = score(tok.decode(out[0, prompt.shape[1] :].tolist()), key)
+            right += ok
+            digits += share
         rows.append(dict(
             length=length, context_seen=seen, needle_in_view=in_view / samples, accuracy=right / samples,
             digits=digits / samples, samples=samples, seconds=time.perf_counter() - start,

@@ -75,3 +75,53 @@ def test_the_command_writes_table_figure_and_json(tmp_path, capsys):
     assert main(["passkey", *[str(r) for r in records], "--out", str(tmp_path / "both")]) == 0
     text = (tmp_path / "both" / "passkey.md").read_text()
     assert "megalodon accuracy" in text and "llama context seen" in text
+
+
+# The rule (docs/after_training.md#passkey): right when the first number the model writes is the key. A number
+# is a maximal run of digits, with its decimal part when a point is followed by a digit; a full stop ends it.
+ANSWERS = [
+    (" 12345", True),
+    ("12345", True),
+    (" 12345.", True),
+    (" 12345. Remember it.", True),
+    (" 12345, and", True),
+    ("12345th", True),
+    (" 12 12345", False),  # the key, but not first
+    (" 0 is wrong; 12345", False),
+    (" 123456", False),  # starts with the key: a longer number
+    (" 012345", False),
+    (" 12345.6", False),  # a decimal number that starts with the key
+    (" 1234", False),
+    (" 1234 5", False),
+    (" no number", False),
+    ("", False),
+    (" twelve thousand 12345", True),  # words are not numbers: 12345 is the first number written
+]
+
+
+@pytest.mark.parametrize("answer, right", ANSWERS)
+def test_the_scorer_takes_the_first_number_the_model_writes(answer, right):
+    got, digits = passkey.score(answer, "12345")
+    assert got is right
+    assert 0.0 <= digits <= 1.0 and (digits == 1.0 if right else True)
+
+
+def test_the_share_of_digits_right_compares_the_first_number_position_by_position():
+    assert passkey.score(" 12945", "12345") == (False, 0.8)
+    assert passkey.score(" 99 12345", "12345") == (False, 0.0)  # the first number, not the best one
+    assert passkey.score(" nothing", "12345") == (False, 0.0)
+
+
+@pytest.mark.parametrize("template, right", [(" {key}.", True), (" 7 {key}", False), (" {key}.5", False),
+                                             (" 1{key}", False), (" The key: {key}", True)])  # fmt: skip
+def test_a_run_scores_each_answer_by_the_first_number(template, right, tok, monkeypatch):
+    """``evaluate`` end to end with a stand-in model that writes ``template`` around the prompt's key."""
+
+    def answer(model, prompt, new, **kw):
+        key = re.search(r"The pass key is (\d+)\.", tok.decode(prompt[0].tolist())).group(1)
+        return torch.cat([prompt, torch.tensor([tok.encode(template.format(key=key), bos=False)])], 1)
+
+    monkeypatch.setattr(passkey, "generate", answer)
+    hay = passkey.haystack(tok, "filler")
+    rows = passkey.evaluate(tiny_model("megalodon"), tok, [64], 3, hay, seed=0)
+    assert rows[0]["accuracy"] == float(right), template

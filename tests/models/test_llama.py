@@ -9,12 +9,14 @@ position · base^(-2i/d). The oracle loops over heads, query rows and pairs and 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from mega_suite.models.llama import LlamaConfig, LlamaLM
+from mega_suite.models.llama.decode import LlamaDecoder
 
 CFG = dict(num_layers=2, model_dim=16, num_heads=2, ffn_hidden_dim=24, vocab_size=40, max_seq_len=12)
 F64 = dict(rtol=1e-10, atol=1e-10)
@@ -223,3 +225,40 @@ def test_tied_initial_loss_is_near_uniform():
         logits, _ = model(toks[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), toks[:, 1:].flatten())
     assert abs(float(loss) - math.log(4096)) < 0.5, float(loss)
+
+
+@pytest.mark.parametrize("stride, prompt", [(3, 1), (3, 4), (3, 11), (4, 2)])
+def test_every_cached_step_is_the_float64_forward_over_the_window_it_keeps(stride, prompt):
+    """The float32 decoder, prompt in one call then one token per call past the window: the logits at position
+    t are a float64 full forward's last position over exactly tokens[lo(t) : t + 1], lo(t) = max(0, t // S * S
+    - (W - S)) (docs/long_context.md#decoding), to float32 rounding. A RoPE position off by one in the cached
+    step or a cache rebuild one token late changes them (the argmax of a tiny random model need not move)."""
+    w = 8
+    model = make(dtype=torch.float32, max_seq_len=w, eval_stride=stride).eval()
+    full = copy.deepcopy(model).double()
+    toks = tokens(2, 30)
+    dec = LlamaDecoder(model)
+    got, cache = dec(toks[:, :prompt])
+    outs, states = [got], []
+    for t in range(prompt, toks.shape[1]):
+        got, cache = dec(toks[:, t : t + 1], cache)
+        outs.append(got)
+        states.append((t, cache.lo, cache.position))
+    got = torch.cat(outs, 1)
+    assert got.dtype == torch.float32
+    seen, starts = set(), set()
+    with torch.no_grad():
+        for t in range(toks.shape[1]):
+            lo = max(0, t // stride * stride - (w - stride))
+            seen.add(t + 1 - lo)
+            starts.add(lo)
+            want = full(toks[:, lo : t + 1])[0][:, -1]
+            torch.testing.assert_close(
+                got[:, t].double(),
+                want,
+                rtol=0,
+                atol=2e-6 * want.abs().max(),
+                msg=lambda m, t=t: f"position {t}: {m}",
+            )
+    assert states == [(t, max(0, t // stride * stride - (w - stride)), t + 1) for t in range(prompt, 30)]
+    assert max(seen) == w and len(starts) >= 5  # the whole window, and at least four rebuilds past it

@@ -5,13 +5,16 @@ over them gives score against training tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 from pathlib import Path
 
+import pytest
 from modality_fixtures import write_jsonl_corpus
 
+import datamodules.pretrain as pretrain
 from datamodules.pretrain import PretrainDataModule, held_out, training_text
 
 TASKS = Path(__file__).resolve().parents[1] / "evaluation" / "tasks"
@@ -19,13 +22,14 @@ PLANTED = "zyzzyvaquux"  # a word that only held-out documents contain
 SPLIT = dict(val_fraction=0.3, split_seed=0)
 
 
-def planted_corpus(folder: Path) -> list[str]:
-    """The fixture corpus plus one file whose documents hold PLANTED where (and only where) they are held out."""
+def planted_corpus(folder: Path, split: dict = SPLIT) -> list[str]:
+    """The fixture corpus plus one file whose documents hold PLANTED where (and only where) they are held out
+    under ``split``."""
     docs = write_jsonl_corpus(folder)
     planted, i = [], 0
     while sum(PLANTED in d for d in planted) < 3 or len(planted) < 12:
         text = f"document {i} says {PLANTED} {PLANTED} and more words"
-        if held_out(text, **SPLIT):
+        if held_out(text, **split):
             planted.append(text)
         else:
             planted.append(f"document {i} says nothing strange at all")
@@ -96,3 +100,85 @@ def test_fit_copies_the_tokenizer_and_keeps_step_checkpoints_scored_against_toke
     assert rows == [("step0000004.ckpt", "4", str(4 * 2 * 32)), ("step0000006.ckpt", "6", str(6 * 2 * 32))]
     assert (tmp_path / "eval" / "lm_eval_curve.png").is_file()
     assert len(json.loads((tmp_path / "eval" / "lm_eval.json").read_text())) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the split's settings and the cache key, varied
+# ----------------------------------------------------------------------------------------------------------
+
+SPLITS = [dict(val_fraction=0.3, split_seed=0), dict(val_fraction=0.6, split_seed=0),
+          dict(val_fraction=0.3, split_seed=1), dict(val_fraction=0.2, split_seed=7)]  # fmt: skip
+
+
+def held_out_oracle(text: str, val_fraction: float, split_seed: int) -> bool:
+    """datamodules/pretrain.py's definition: BLAKE2b-64(text as UTF-8, key = str(split_seed)), read as a
+    little-endian integer, over 2^64 < val_fraction."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=str(split_seed).encode()).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def test_held_out_is_its_definition_for_every_setting():
+    texts = [f"document {i} with words" for i in range(400)]
+    sets = []
+    for split in SPLITS:
+        held = [held_out(t, **split) for t in texts]
+        assert held == [held_out_oracle(t, **split) for t in texts], split
+        assert abs(sum(held) / len(texts) - split["val_fraction"]) < 5 * (0.25 / len(texts)) ** 0.5, split
+        sets.append(frozenset(t for t, h in zip(texts, held) if h))
+    assert len(set(sets)) == len(SPLITS)  # each setting holds out its own documents
+
+
+@pytest.fixture
+def recorded_training(monkeypatch) -> dict[Path, list[str]]:
+    """SentencePiece replaced by a recorder: what each tokenizer would be trained on, by its path (and a
+    stand-in file there, so the cache finds it)."""
+    seen: dict[Path, list[str]] = {}
+
+    def record(lines, path, **options):
+        seen[Path(path)] = list(lines)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(b"stand-in")
+
+    monkeypatch.setattr(pretrain, "train_sentencepiece", record)
+    return seen
+
+
+def test_each_split_setting_keeps_its_own_held_out_documents_from_the_tokenizer(
+    tmp_path, recorded_training, capsys
+):
+    """For each (val_fraction, split_seed), on a corpus whose planted word lies in exactly the documents that
+    setting holds out: the tokenizer (through the data module and the command) is trained on exactly the other
+    documents, never the planted word. The seed and the fraction swapped anywhere on the way fail this."""
+    from mega_suite.cli import main
+
+    cache = tmp_path / "cache"
+    for n, split in enumerate(SPLITS):
+        corpus = tmp_path / f"corpus{n}"
+        docs = planted_corpus(corpus, split)
+        assert any(PLANTED in d for d in docs)
+        dm = PretrainDataModule(str(corpus), vocab_size=300, cache_dir=str(cache), **split)
+        path = dm.tokenizer_file
+        lines = recorded_training[path]
+        assert not any(PLANTED in line for line in lines), split
+        assert sorted(lines) == sorted(d.strip() for d in docs if not held_out_oracle(d, **split)), split
+        capsys.readouterr()
+        assert main(["tokenizer", str(corpus), "--vocab-size", "300", "--val-fraction", str(split["val_fraction"]),
+                     "--split-seed", str(split["split_seed"]), "--cache-dir", str(cache)]) == 0  # fmt: skip
+        assert capsys.readouterr().out.strip() == str(path)  # the command's key: the same cached file
+    assert len(recorded_training) == len(SPLITS)
+
+
+def test_the_cache_key_names_the_split_settings(tmp_path):
+    """One corpus: each (val_fraction, split_seed) its own tokenizer key, the same one again for the same
+    setting."""
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus)
+
+    def key(**split):
+        return PretrainDataModule(
+            str(corpus), vocab_size=300, cache_dir=str(tmp_path / "c"), **split
+        ).trained_tokenizer_path()
+
+    keys = [key(**split) for split in SPLITS]
+    assert len(set(keys)) == len(SPLITS) and len({k.parent for k in keys}) == len(SPLITS)
+    assert [key(**split) for split in SPLITS] == keys

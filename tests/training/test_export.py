@@ -5,6 +5,7 @@ ckpt= / init_from=; a bundle with a wrong config is one error line."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -30,9 +31,12 @@ TINY = [
 ]  # fmt: skip
 
 
-def fake_run(folder: Path, arch: str, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """A run directory as fit leaves it: config.yaml and checkpoints/last.ckpt (a Lightning checkpoint)."""
-    cfg = load_config([*TINY, f"model.arch={arch}", f"run_dir={folder}"])
+def fake_run(
+    folder: Path, arch: str, seed: int = 0, extra: tuple[str, ...] = ()
+) -> tuple[Path, torch.nn.Module]:
+    """A run directory as fit leaves it: config.yaml and checkpoints/last.ckpt (a Lightning checkpoint);
+    ``extra``: more overrides of its configuration."""
+    cfg = load_config([*TINY, f"model.arch={arch}", f"run_dir={folder}", *extra])
     torch.manual_seed(seed)
     model = build_model(model_config(cfg, vocab_size=VOCAB)).eval()
     (folder / "checkpoints").mkdir(parents=True)
@@ -166,3 +170,125 @@ def test_a_bundle_is_a_checkpoint_for_ckpt_and_init_from_and_a_wrong_one_is_one_
         assert code == 2 and len(errors) == 1 and expected in errors[0], errors
     (bundle / "config.json").write_text(json.dumps(config))
     assert checkpoint_main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what an export copies, casts and ties
+# ----------------------------------------------------------------------------------------------------------
+
+
+def stored(bundle: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in a bundle's files, sharded or not, by its stored name."""
+    index = bundle / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    out = {}
+    for name in files:
+        with safe_open(str(bundle / name), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_a_bf16_export_rounds_each_parameter_once_and_keeps_the_buffers(tmp_path):
+    """--dtype bf16: every stored parameter is the float32 one rounded to bf16, every buffer (Megalodon's
+    timestep-norm priors: float32 and int64) is stored as it is, the tied output once; loaded back, the model
+    is bit for bit the float32 model with its parameters rounded."""
+    run_dir, model = fake_run(tmp_path / "run", "megalodon")
+    out = tmp_path / "bf16"
+    assert (
+        checkpoint_main(["export", str(run_dir), str(out), "--dtype", "bf16", "--max-shard-size", "100KB"])
+        == 0
+    )
+    state = model.state_dict()
+    params = {n for n, _ in model.named_parameters()}
+    config = json.loads((out / "config.json").read_text())
+    aliases = {a.removeprefix("model.") for a in config["tied_weights"]}
+    assert aliases and config["weights_dtype"] == "bfloat16"
+    files = stored(out)
+    assert set(files) == {f"model.{n}" for n in state if n not in aliases}
+    buffers = [n for n in state if n not in params and n not in aliases]
+    assert {state[n].dtype for n in buffers} == {torch.float32, torch.int64}
+    for name, t in files.items():
+        want = state[name.removeprefix("model.")]
+        want = want.to(torch.bfloat16) if name.removeprefix("model.") in params else want
+        assert t.dtype == want.dtype and torch.equal(t, want), name
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert torch.equal(logits(mega_suite.from_pretrained(out), TOKENS), logits(rounded, TOKENS))
+
+
+@pytest.mark.parametrize("arch", ["megalodon", "llama"])
+def test_an_untied_model_exports_both_matrices_and_loads_untied(arch, tmp_path):
+    """model.share_emb=false: the embedding and the output projection are both stored, nothing is listed as
+    tied, and both loaders (the suite's, transformers') give the model's logits with two matrices."""
+    run_dir, model = fake_run(tmp_path / "run", arch, extra=("model.share_emb=false",))
+    assert not model.cfg.share_emb
+    out = tmp_path / "bundle"
+    assert checkpoint_main(["export", str(run_dir), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["tied_weights"] == {}
+    files = stored(out)
+    assert set(files) == {f"model.{n}" for n in model.state_dict()}
+    assert all(torch.equal(files[f"model.{n}"], t) for n, t in model.state_dict().items())
+    loaded = mega_suite.from_pretrained(out)
+    embed = loaded.embed.weight
+    assert not any(
+        p is embed for n, p in loaded.named_parameters(remove_duplicate=False) if n != "embed.weight"
+    )
+    assert torch.equal(logits(loaded, TOKENS), logits(model, TOKENS))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    want = logits(model, TOKENS)
+    torch.testing.assert_close(hf(TOKENS).logits.detach(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+def test_the_bundle_carries_the_runs_own_tokenizer_and_its_ids(tmp_path):
+    """A run whose tokenizer.model is not the recipe's (BOS 3, EOS 4): the bundle holds that file byte for byte,
+    its digest, its BOS / EOS ids in config.json and generation_config.json, and AutoTokenizer encodes as it
+    does (with its BOS)."""
+    import io
+
+    import sentencepiece as spm
+
+    from datamodules.kjv import TOKENIZER
+    from datamodules.tokenizer import TextTokenizer
+    from mega_suite.training.trained import file_digest
+
+    run_dir, model = fake_run(tmp_path / "run", "llama")
+    words = (
+        "light darkness waters firmament heaven earth seed fruit herb tree evening morning day night".split()
+    )
+    rng = torch.Generator().manual_seed(0)
+    texts = [
+        " ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=rng)) for _ in range(200)
+    ]
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=buffer, vocab_size=300, hard_vocab_limit=False,
+        byte_fallback=True, unk_id=0, bos_id=3, eos_id=4, pad_id=-1, minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    own = run_dir / "tokenizer.model"
+    own.write_bytes(buffer.getvalue())
+    assert own.read_bytes() != Path(TOKENIZER).read_bytes()
+    run_tok = TextTokenizer(own)
+    assert (run_tok.bos_id, run_tok.eos_id) == (3, 4)
+
+    out = tmp_path / "bundle"
+    assert checkpoint_main(["export", str(run_dir), str(out)]) == 0
+    assert (out / "tokenizer.model").read_bytes() == own.read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["tokenizer_digest"] == file_digest(own)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (3, 4)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (3, 4)
+    from transformers import AutoTokenizer
+
+    text = "evening and morning were the first day"
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == run_tok.encode(text)
+    assert run_tok.encode(text)[0] == 3
