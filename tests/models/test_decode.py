@@ -11,8 +11,9 @@ import model_oracle as tm
 import pytest
 import torch
 
-import mega_suite.models.megalodon.decode.decoder as decoder_module
-import mega_suite.models.megalodon.decode.pack as pack_module
+import mega_suite.models.megalodon.lm as lm_module
+import mega_suite.models.megalodon.pack as pack_module
+import mega_suite.models.megalodon.step as step_module
 from kernels.attention import attention_step
 from mega_suite import MegalodonLM
 from mega_suite.models.megalodon import decode
@@ -50,8 +51,8 @@ def float64_logits(model, tokens):
 
 def count_steps(monkeypatch):
     calls = []
-    step = decoder_module.block_step
-    monkeypatch.setattr(decoder_module, "block_step", lambda *a: calls.append(1) or step(*a))
+    step = step_module.block_step
+    monkeypatch.setattr(step_module, "block_step", lambda *a: calls.append(1) or step(*a))
     return calls
 
 
@@ -66,7 +67,8 @@ def test_fp32_decode_equals_float64_full_pass(gemv, prompt, overrides, monkeypat
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 15), generator=torch.Generator().manual_seed(1))
     calls = count_steps(monkeypatch)
     got = decode_logits(dec, tokens, prompt)  # single tokens over offsets 3, 0..3, 0..3, 0..2
-    steps = tokens.shape[1] - prompt + (prompt == 1)  # a 1-token prompt on a fresh cache steps too
+    # a prompt of at most STEP_TOKENS tokens on a fresh cache steps too (the model's forward)
+    steps = tokens.shape[1] - prompt + (prompt if prompt <= lm_module.STEP_TOKENS else 0)
     assert len(calls) == steps * model.cfg.num_layers  # the one-token path ran
     want = float64_logits(model, tokens)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max())
@@ -321,11 +323,13 @@ def test_a_segment_continues_a_cache_in_another_dtype(kv_dtype, prompt_autocast)
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "in_place", "new_parameter"])
+@pytest.mark.parametrize(
+    "change", ["optimizer", "fused_adamw", "load_state_dict", "in_place", "new_parameter"]
+)
 def test_packed_weights_follow_parameter_changes(change):
-    """Decode, change the weights (an optimizer step, a state dict loaded in place, an in-place edit, a
-    parameter replaced by a new one), decode again: the logits are the new weights' full pass, never the
-    old packs'."""
+    """Decode, change the weights (an optimizer step, a fused AdamW step, which moves no version counter, a
+    state dict loaded in place, an in-place edit, a parameter replaced by a new one), decode again: the
+    logits are the new weights' full pass, never the old packs'."""
     model = make_lm()
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
     dec = decode.Decoder(model)
@@ -337,6 +341,10 @@ def test_packed_weights_follow_parameter_changes(change):
         model(tokens)[0].square().mean().backward()
         opt.step()
         model.eval()
+    elif change == "fused_adamw":  # in evaluation mode throughout: no train() / eval() switch stales the plan
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        model(tokens)[0].square().mean().backward()
+        opt.step()
     elif change == "load_state_dict":
         model.load_state_dict(make_lm(seed=5).state_dict())
     elif change == "in_place":
@@ -862,8 +870,7 @@ def test_the_kernel_inside_the_static_and_compiled_decode_step(monkeypatch):
     step, eager and inside the compiled step (fullgraph, the custom op an extern call): logits within bf16
     rounding of the float64 full pass."""
     from kernels import dispatch
-    from mega_suite.models.megalodon import decode
-    from mega_suite.models.megalodon.decode import pack
+    from mega_suite.models.megalodon import decode, pack
 
     calls = []
     from kernels.gemv import triton as fused

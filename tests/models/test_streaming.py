@@ -6,12 +6,15 @@ The LM oracle runs the block oracle of tests/models/test_megalodon.py chunk by c
 raw inputs of every norm (its statistics are recomputed from those inputs by brute force).
 """
 
+import copy
 import math
 
 import model_oracle as tm
 import pytest
 import torch
 
+import mega_suite.models.megalodon.lm as lm_module
+import mega_suite.models.megalodon.step as step_module
 from mega_suite import MegalodonLM
 from mega_suite.models.megalodon.decode import generate
 from mega_suite.models.sampling import sample_next
@@ -138,6 +141,141 @@ def test_streaming_empty_segment():
     full, _ = model(tokens)
     out, _ = stream(model, tokens, [4, 0, 5])
     torch.testing.assert_close(out, full, **EXACT)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one or two tokens through the model's own forward: the packed one-token step (docs/long_context.md)
+# ----------------------------------------------------------------------------------------------------------
+
+F32 = 2e-6  # float32 rounding of a few ops in a row, relative to the largest logit (as tests/models/test_decode.py)
+
+
+def float32_lm(seed, **overrides):
+    cfg = tm.tiny_config(chunk_size=4, scale_emb=True, **overrides)
+    torch.manual_seed(seed)
+    return tm.randomise(MegalodonLM(cfg), seed=seed).eval()
+
+
+def oracle32(model, tokens):
+    """The float64 oracle's logits for a float32 model (its parameters in float64)."""
+    return oracle_lm(copy.deepcopy(model).double(), tokens)[0]
+
+
+def count_steps(monkeypatch):
+    calls = []
+    step = step_module.block_step
+    monkeypatch.setattr(step_module, "block_step", lambda *a: calls.append(1) or step(*a))
+    return calls
+
+
+def assert_f32(got, want):
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=F32 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("batch, heads, hidden", [(2, 2, False), (1, 1, True), (2, 1, False)])
+def test_one_and_two_token_forwards_take_the_packed_step_and_equal_the_oracle(
+    batch, heads, hidden, monkeypatch
+):
+    """A float32 model continued by one or two tokens per call (across chunk boundaries, chunk 4) takes the
+    packed step (one ``block_step`` per token and layer) through ``forward`` and through ``forward_hidden`` +
+    ``logits``; its logits equal the float64 oracle's, and the general streaming pass's, to float32 rounding."""
+    model = float32_lm(30, num_heads=heads, layer_scale=hidden)
+    tokens = tokens_for(model, batch, 17, seed=31)
+    sizes = [3, 1, 2, 1, 1, 2, 2, 1, 1, 2, 1]  # offsets 3, 0, 2, 3, 0, 1, 3, 1, 2, 3, 1
+    calls = count_steps(monkeypatch)
+
+    def run():
+        cache, outs, start = None, [], 0
+        with torch.no_grad():
+            for n in sizes:
+                piece = tokens[:, start : start + n]
+                if hidden:
+                    x, cache = model.forward_hidden(piece, cache, use_cache=True)
+                    out = model.logits(x)
+                else:
+                    out, cache = model(piece, cache, use_cache=True)
+                assert out.dtype == torch.float32 and cache.position == start + n
+                outs.append(out)
+                start += n
+        return torch.cat(outs, 1)
+
+    fast = run()
+    assert len(calls) == (17 - 3) * model.cfg.num_layers  # every token after the prompt stepped
+    assert_f32(fast, oracle32(model, tokens))
+    monkeypatch.setattr(lm_module, "STEP_TOKENS", 0)  # the general streaming pass for every piece
+    slow = run()
+    assert len(calls) == (17 - 3) * model.cfg.num_layers
+    assert_f32(fast, slow.double())
+
+
+def test_the_packed_step_is_taken_only_where_it_applies(monkeypatch):
+    """Three tokens, autograd, training mode, float64: the general streaming pass (no step), same logits."""
+    model = float32_lm(32)
+    tokens = tokens_for(model, 1, 8, seed=33)
+    with torch.no_grad():
+        _, cache = model(tokens[:, :4], use_cache=True)
+    calls = count_steps(monkeypatch)
+    with torch.no_grad():
+        model(tokens[:, 4:7], cache)
+    model(tokens[:, 4:5], cache)  # autograd on
+    model.train()
+    with torch.no_grad():
+        model(tokens[:, 4:5], cache)
+    model.eval().double()
+    with torch.no_grad():
+        model(tokens[:, 4:5], model(tokens[:, :4].clone(), use_cache=True)[1])
+    assert calls == []
+    model.float()
+    with torch.no_grad():
+        model(tokens[:, 4:5], cache)
+    assert len(calls) == model.cfg.num_layers
+
+
+def _change(model, how, tokens):
+    """Change ``model``'s weights in place as ``how`` says."""
+    if how == "fused_adamw":  # writes outside autograd's version counters; no train() / eval() switch here
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        model(tokens)[0].square().mean().backward()
+        opt.step()
+    elif how == "data_then_eval":  # p.data moves no version counter; eval() is the documented signal
+        model.layers[1].mega.wv.weight.data.mul_(1.5)
+        model.eval()
+    elif how == "in_place":
+        with torch.no_grad():
+            model.layers[0].nffn.fc2.weight.mul_(1.5)
+    elif how == "load_state_dict":
+        model.load_state_dict(float32_lm(7).state_dict())
+    else:  # a parameter replaced by a new one
+        fc1 = model.layers[1].nffn.fc1
+        fc1.weight = torch.nn.Parameter(fc1.weight.detach() * 1.5)
+
+
+@pytest.mark.parametrize(
+    "how", ["fused_adamw", "data_then_eval", "in_place", "load_state_dict", "new_parameter"]
+)
+def test_a_forward_after_a_weight_change_sees_the_new_weights(how, monkeypatch):
+    """Stream one token at a time (the plan is packed), change the weights, stream again: the new stream's
+    logits are the float64 oracle's of the new weights, never the old packs'."""
+    model = float32_lm(34)
+    tokens = tokens_for(model, 2, 9, seed=35)
+
+    def one_at_a_time():
+        cache, outs = None, []
+        with torch.no_grad():
+            for t in range(tokens.shape[1]):
+                out, cache = model(tokens[:, t : t + 1], cache, use_cache=True)
+                outs.append(out)
+        return torch.cat(outs, 1)
+
+    calls = count_steps(monkeypatch)
+    before = one_at_a_time()
+    assert_f32(before, oracle32(model, tokens))
+    _change(model, how, tokens)
+    after = one_at_a_time()
+    assert len(calls) == 2 * 9 * model.cfg.num_layers
+    want = oracle32(model, tokens)
+    assert (want - before.double()).abs().max() > 1e-3  # the change moved the logits
+    assert_f32(after, want)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 same stream continued segment by segment (docs/architecture.md#language-model, #streaming).
 
 Parameter and buffer names follow the reference release (``layers.{i}.mega.*``, ``layers.{i}.nffn.*``,
-``embed``, ``output.final_norm``, ``output.output``), so its state dicts load as they are. One-token decoding
-with packed weights lives in ``decode/``, which reads this model; this module knows nothing of it.
+``embed``, ``output.final_norm``, ``output.output``), so its state dicts load as they are. A stream continued
+by one or two tokens takes the one-token step from packed weights (``step.py``, ``pack.py``), as
+``decode.Decoder`` does; ``decode/`` reads this model, this module knows nothing of it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from mega_suite.models.megalodon.block import MegalodonBlock
 from mega_suite.models.megalodon.cache import LayerCache, NormWindow, StreamingCache, advance_windows
 from mega_suite.models.megalodon.config import MegalodonConfig
 from mega_suite.models.megalodon.layers import TimestepNorm
+from mega_suite.models.megalodon.pack import parameters_may_have_changed, weights_may_have_been_rewritten
+from mega_suite.models.megalodon.step import can_step, drop_model_plan, model_plan, stream_step
+
+# A segment of at most this many tokens continues a stream through the packed one-token step, token by
+# token; longer ones take the streaming pass, which reads the weights once for all of them
+# (bench/reports/2026-11-29-decode-forward.md).
+STEP_TOKENS = 2
 
 
 class OutputHead(nn.Module):
@@ -100,6 +108,13 @@ class MegalodonLM(Backbone):
     def adaptive(self) -> bool:
         return self.embed is None
 
+    def train(self, mode: bool = True) -> MegalodonLM:
+        """``nn.Module.train``; also stales every packed plan and drops this model's (``pack.py``): weights
+        written outside autograd's version counters (``p.data``) are seen after ``model.eval()``."""
+        weights_may_have_been_rewritten()
+        drop_model_plan(self)
+        return super().train(mode)
+
     def reset_parameters(self) -> None:
         if self.embed is not None:
             std = self.cfg.model_dim**-0.5
@@ -171,8 +186,15 @@ class MegalodonLM(Backbone):
         """tokens [B, L] -> (logits [B, L, V] float32, cache).
 
         With ``cache`` (or ``use_cache=True``) the call continues a stream: any split of a sequence into
-        segments gives the same logits as one full pass. Segments may have any length.
+        segments gives the same logits as one full pass. Segments may have any length; one of at most
+        ``STEP_TOKENS`` tokens in evaluation without autograd runs the packed one-token step per token
+        (docs/long_context.md#the-one-token-step), float32 whatever the autocast.
         """
+        plan = self._step_plan(tokens, cache, use_cache)
+        if plan is not None:
+            x, cache = self._steps(plan, tokens, cache)
+            with torch.autocast(tokens.device.type, enabled=False):  # float32 logits
+                return plan.head(x.flatten(0, 1)).view(*x.shape[:2], -1), cache
         x, cache = self.forward_hidden(tokens, cache, use_cache)
         return self.logits(x), cache
 
@@ -184,6 +206,10 @@ class MegalodonLM(Backbone):
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if cache is None and not use_cache:
             return self.hidden_states(tokens), None
+        plan = self._step_plan(tokens, cache, use_cache)
+        if plan is not None:
+            return self._steps(plan, tokens, cache)
+        parameters_may_have_changed()  # a full pass: every plan re-lists the parameter objects once
         if cache is None:
             cache = self.new_cache(tokens.shape[0])
         outs = []
@@ -194,6 +220,25 @@ class MegalodonLM(Backbone):
             dtype = self.output.final_norm.weight.dtype
             return tokens.new_zeros(tokens.shape[0], 0, self.cfg.model_dim, dtype=dtype), cache
         return torch.cat(outs, 1), cache
+
+    def _step_plan(self, tokens: Tensor, cache: StreamingCache | None, use_cache: bool):
+        """The packed plan when this call continues a stream by 1..``STEP_TOKENS`` tokens through the
+        one-token step (evaluation mode, no autograd, ``step.can_step``), else None."""
+        if (cache is None and not use_cache) or tokens.dim() != 2 or not 0 < tokens.shape[1] <= STEP_TOKENS:
+            return None
+        if self.training or not can_step(self):  # training mode: dropout, which the step leaves out
+            return None
+        return model_plan(self)
+
+    def _steps(self, plan, tokens: Tensor, cache: StreamingCache | None) -> tuple[Tensor, StreamingCache]:
+        """tokens [B, L] one packed step each -> (final normalised hidden states [B, L, D], cache)."""
+        if cache is None:
+            cache = self.new_cache(tokens.shape[0])
+        outs = []
+        for i in range(tokens.shape[1]):
+            x, cache = stream_step(self, plan, tokens[:, i], cache)
+            outs.append(x)
+        return torch.stack(outs, 1), cache
 
     def _pieces(self, length: int, cache: StreamingCache) -> list[slice]:
         """Cut a segment so that no piece crosses a chunk boundary unless it starts on one."""

@@ -1,7 +1,8 @@
 """One-token decoding of a Megalodon language model (docs/long_context.md#decoding).
 
 ``Decoder`` (the packed one-token step), ``generate`` (sampling), ``StaticDecoder`` (fixed buffers for CUDA
-graphs and torch.compile); ``pack`` holds the packed weights. The decoder reads the model; the model never
+graphs and torch.compile). The packed weights (``megalodon/pack.py``) and the one-token step
+(``megalodon/step.py``) sit below the model, whose forward takes the same step. The decoder reads the model; the model never
 imports the decoder.
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from mega_suite.models.megalodon.decode.decoder import Decoder
 from mega_suite.models.megalodon.decode.generation import generate
-from mega_suite.models.megalodon.decode.pack import (
+from mega_suite.models.megalodon.decode.static import StaticDecoder
+from mega_suite.models.megalodon.pack import (
     CPU_COMPILE_OPTIONS,
     CPU_KV_BUCKET_ROWS,
     CUDA_COMPILE_OPTIONS,
@@ -25,8 +27,7 @@ from mega_suite.models.megalodon.decode.pack import (
     cuda_row_gemv,
     mkldnn_available,
 )
-from mega_suite.models.megalodon.decode.static import StaticDecoder
-from mega_suite.models.megalodon.decode.step import block_step
+from mega_suite.models.megalodon.step import block_step
 
 __all__ = [
     "CPU_COMPILE_OPTIONS", "CPU_KV_BUCKET_ROWS", "CUDA_COMPILE_OPTIONS", "CUDA_COMPILED_ROW_GEMV", "CUDA_ROW_GEMVS",

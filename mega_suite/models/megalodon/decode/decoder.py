@@ -13,16 +13,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 
-from kernels.timestep_norm import timestep_norm_step
-from mega_suite.models.megalodon.cache import StreamingCache, advance_windows
-from mega_suite.models.megalodon.decode.pack import (
-    DecodePlan,
-    check_decode_options,
-    parameters_may_have_changed,
-)
-from mega_suite.models.megalodon.decode.step import block_step
+from mega_suite.models.megalodon.cache import StreamingCache
+from mega_suite.models.megalodon.pack import DecodePlan, check_decode_options, parameters_may_have_changed
+from mega_suite.models.megalodon.step import MODEL_PLAN, can_step, model_plan, stream_step
 
 
 class Decoder:
@@ -64,6 +58,8 @@ class Decoder:
         than the decoder's own (the compiled CPU ``StaticDecoder`` asks for "rows"); the last plan is kept."""
         dtype, gemv, kv_dtype = self.options
         options = (dtype, gemv if kind is None else kind, kv_dtype)
+        if options == MODEL_PLAN:  # the default packs: the model's own, shared with its forward
+            return model_plan(self.model)
         plan = self._plan
         if plan is None or not plan.is_current(self.model, *options):
             plan = self._plan = DecodePlan(self.model, *options)
@@ -72,39 +68,20 @@ class Decoder:
     def can_step(self) -> bool:
         """The one-token path applies: no autograd, a float32 model (float64 ones keep the streaming pass),
         token embeddings (not the adaptive input) and unsharded blocks (the step bypasses FSDP2's hooks)."""
-        model = self.model
-        return (
-            not torch.is_grad_enabled()
-            and model.output.final_norm.weight.dtype == torch.float32
-            and not model.adaptive
-            and not isinstance(model.layers[0], FSDPModule)
-        )
+        return can_step(self.model)
 
     def __call__(self, tokens: Tensor, cache: StreamingCache | None = None) -> tuple[Tensor, StreamingCache]:
         """tokens [B, L] -> (logits [B, L, V] float32, cache): one token through the packed step where it
         applies, any other segment through the model's streaming pass."""
         if cache is not None and tokens.dim() == 2 and tokens.shape[1] == 1 and self.can_step():
-            x, cache = self.step_hidden(tokens[:, 0], cache)
+            plan = self.plan()
+            x, cache = stream_step(self.model, plan, tokens[:, 0], cache)
             with torch.autocast(tokens.device.type, enabled=False):  # float32 logits
-                return self._plan.head(x).unsqueeze(1), cache
+                return plan.head(x).unsqueeze(1), cache
         parameters_may_have_changed()  # a full pass: every plan re-lists the parameter objects once
         return self.model(tokens, cache, use_cache=True)
 
     def step_hidden(self, tokens: Tensor, cache: StreamingCache) -> tuple[Tensor, StreamingCache]:
         """tokens [B] at ``cache.position`` -> (final normalised hidden states [B, D], cache). Autocast is off:
         the plan's weight dtype decides the GEMVs' precision, everything else is float32."""
-        with torch.autocast(tokens.device.type, enabled=False):
-            plan = self.plan()
-            pos = cache.position
-            x = self.model.embed_tokens(tokens)
-            layers = []
-            for pack, lc in zip(plan.blocks, cache.layers):
-                x, lc = block_step(pack, x, lc, pos)
-                layers.append(lc)
-            x, final = timestep_norm_step(
-                x, cache.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
-            )
-        new = StreamingCache(pos + 1, layers, final, cache.window_stats, cache.final_window)
-        if cache.window_stats and (pos + 1) % self.model.cfg.chunk_size == 0:
-            advance_windows(new, self.model.cfg.chunk_size)
-        return x, new
+        return stream_step(self.model, self.plan(), tokens, cache)

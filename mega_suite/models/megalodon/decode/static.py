@@ -10,14 +10,14 @@ from torch import Tensor, nn
 from kernels.timestep_norm import timestep_norm_step
 from mega_suite.models.megalodon.cache import StreamingCache
 from mega_suite.models.megalodon.decode.decoder import Decoder
-from mega_suite.models.megalodon.decode.pack import (
+from mega_suite.models.megalodon.pack import (
     CPU_KV_BUCKET_ROWS,
     check_decode_options,
     check_row_gemv,
     compiled_step_defaults,
     cuda_row_gemv,
 )
-from mega_suite.models.megalodon.decode.step import block_in, block_out
+from mega_suite.models.megalodon.step import block_in, block_out
 
 
 class StaticDecoder:

@@ -1,4 +1,4 @@
-"""Packed decode weights: what one-token decoding reads instead of the model's parameters.
+"""Packed weights: what the one-token step (``step.py``) reads instead of the model's parameters.
 
 A decode step reads every weight once per token; its floor is one GEMV over all of them. ``DecodePlan`` packs
 each block's Linear weights by the input they read, so a block runs five GEMVs instead of eight:
@@ -11,8 +11,11 @@ each block's Linear weights by the input they read, so a block runs five GEMVs i
 
 and folds the norms' affine maps into the weights they feed, W (n ⊙ (1 + w) + b) = (W diag(1 + w)) n + W b,
 so RMSNorm and LayerNorm become one unaffine op each. The Q/K scale and offset, the RoPE table and the CEMA
-coefficients are computed once per plan. A plan is rebuilt when any parameter changes (its key holds every
-parameter's storage pointer and version counter), so no step reads weights older than the model's.
+coefficients are computed once per plan. A plan is rebuilt when any parameter may have changed (its key holds
+every parameter's storage pointer and version counter; an optimizer step or a switch between training and
+evaluation anywhere, which may rewrite weights without moving a version counter, stales every plan), so no
+step reads weights older than the model's. The model's own forward and ``decode.Decoder`` both read these
+plans; this module sits below both.
 
 Weights: float32, bfloat16 (activations rounded to bf16 at each GEMV, accumulated and returned in float32) or
 int8 weight-only (per-output-row scales). GEMV kinds: ``matmul`` (BLAS), ``rows`` (W [O, I] read by
@@ -29,6 +32,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from kernels import gemv
 
@@ -239,6 +243,19 @@ def parameters_may_have_changed(*_args) -> None:
 torch.nn.modules.module.register_module_parameter_registration_hook(parameters_may_have_changed)
 torch.nn.modules.module.register_module_module_registration_hook(parameters_may_have_changed)
 
+# Events after which weights may have been rewritten in place without moving their version counter: any
+# optimizer step (the fused AdamW kernel writes outside autograd's version tracking) and a model's switch
+# between training and evaluation (``MegalodonLM.train``: after weights written through ``p.data``, say).
+# Every plan built before one of them is stale. (FSDP2's all-gathers do the same; sharded models never step.)
+_REWRITES = [0]
+
+
+def weights_may_have_been_rewritten(*_args) -> None:
+    _REWRITES[0] += 1
+
+
+register_optimizer_step_post_hook(weights_may_have_been_rewritten)
+
 
 class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
@@ -249,6 +266,7 @@ class DecodePlan:
         self.params = list(model.parameters())
         self.key = self.current_key()
         self.changes = _CHANGES[0]  # at the last comparison of the parameter objects
+        self.rewrites = _REWRITES[0]
         self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
         head = model.output.output
         self.head = Gemv(head.weight.float(), None, torch.float32, kind)  # float32 logits, whatever the dtype
@@ -283,12 +301,13 @@ class DecodePlan:
     def is_current(
         self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None
     ) -> bool:
-        """Whether the packs still hold the model's weights. The list of parameter objects (a parameter or a
-        module replaced by a new one: ``load_state_dict(assign=True)``, ``module.weight = Parameter(...)``)
-        is compared only when a parameter or module was registered anywhere, or a model ran a full pass,
-        since the last comparison (``_CHANGES``): listing them costs more than the version check, at every
-        token."""
-        if self.options != (dtype, kind, kv_dtype):
+        """Whether the packs still hold the model's weights: no optimizer step or train / eval switch since
+        they were packed (``_REWRITES``), the same parameter objects and every one's storage and version.
+        The list of parameter objects (a parameter or a module replaced by a new one:
+        ``load_state_dict(assign=True)``, ``module.weight = Parameter(...)``) is compared only when a
+        parameter or module was registered anywhere, or a model ran a full pass, since the last comparison
+        (``_CHANGES``): listing them costs more than the version check, at every token."""
+        if self.options != (dtype, kind, kv_dtype) or self.rewrites != _REWRITES[0]:
             return False
         changes = _CHANGES[0]
         if self.changes != changes:

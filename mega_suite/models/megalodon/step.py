@@ -1,17 +1,55 @@
-"""One block, one token, from packed weights: the equations of ``MegalodonBlock.forward`` with a cache
-(docs/architecture.md#the-block, #streaming), each op's one-token form taken from beside its kernels."""
+"""The one-token step: the equations of ``MegalodonBlock.forward`` with a cache for a single token, from packed
+weights (``pack.py``; docs/architecture.md#the-block, #streaming, docs/long_context.md#the-one-token-step),
+each op's one-token form taken from beside its kernels. The model's own forward with a cache takes it for
+one or two new tokens (``MegalodonLM.forward``), ``decode.Decoder`` for one; this module sits below both.
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from kernels.attention import attention_step
 from kernels.cema import cema_token_step, cema_token_step_real
 from kernels.timestep_norm import timestep_norm_step
-from mega_suite.models.megalodon.cache import ChunkKV, LayerCache
-from mega_suite.models.megalodon.decode.pack import BlockPack
+from mega_suite.models.megalodon.cache import ChunkKV, LayerCache, StreamingCache, advance_windows
+from mega_suite.models.megalodon.pack import BlockPack, DecodePlan
+
+MODEL_PLAN = (torch.float32, "matmul", None)  # the options of the plan a model keeps for its own forward
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its MODEL_PLAN plan
+
+
+def can_step(model: nn.Module) -> bool:
+    """The one-token step applies to ``model`` (a ``MegalodonLM``): no autograd, a float32 model (float64 ones
+    keep the streaming pass), token embeddings (not the adaptive input) and unsharded blocks (the step
+    bypasses FSDP2's hooks)."""
+    # deferred: building a model does not import torch.distributed
+    from torch.distributed.fsdp import FSDPModule
+
+    return (
+        not torch.is_grad_enabled()
+        and model.output.final_norm.weight.dtype == torch.float32
+        and not model.adaptive
+        and not isinstance(model.layers[0], FSDPModule)
+    )
+
+
+def model_plan(model: nn.Module) -> DecodePlan:
+    """The float32 ``matmul`` plan of ``model``, shared by its forward and every default ``decode.Decoder`` on
+    it: packed at first use and again whenever it is stale (``DecodePlan.is_current``), kept while the model
+    lives (one packed copy of the weights) and dropped by ``drop_model_plan``."""
+    plan = _PLANS.get(model)
+    if plan is None or not plan.is_current(model, *MODEL_PLAN):
+        _PLANS.pop(model, None)  # the stale packs go before the new ones are made: never two copies
+        plan = _PLANS[model] = DecodePlan(model, *MODEL_PLAN)
+    return plan
+
+
+def drop_model_plan(model: nn.Module) -> None:
+    _PLANS.pop(model, None)
 
 
 def rms_scale(x: Tensor, eps_t: Tensor, n: int) -> Tensor:
@@ -77,3 +115,26 @@ def block_step(pk: BlockPack, x: Tensor, cache: LayerCache, pos: int) -> tuple[T
     out = block_out(pk, x, q, kv.keys, kv.values, None, r, h1)
     full = offset + 1 == pk.chunk
     return out, LayerCache(norm_state, state, None if full else kv, cache.window)
+
+
+def stream_step(
+    model: nn.Module, plan: DecodePlan, tokens: Tensor, cache: StreamingCache
+) -> tuple[Tensor, StreamingCache]:
+    """tokens [B] at ``cache.position`` -> (final normalised hidden states [B, D], cache) of ``model`` from
+    ``plan``'s packs. Autocast is off: the plan's weight dtype decides the GEMVs' precision, everything else
+    is float32."""
+    with torch.autocast(tokens.device.type, enabled=False):
+        pos = cache.position
+        x = model.embed_tokens(tokens)
+        layers = []
+        for pack, lc in zip(plan.blocks, cache.layers):
+            x, lc = block_step(pack, x, lc, pos)
+            layers.append(lc)
+        x, final = timestep_norm_step(
+            x, cache.final_norm, plan.final_w1, plan.final_b, plan.final_groups, plan.final_eps
+        )
+    new = StreamingCache(pos + 1, layers, final, cache.window_stats, cache.final_window)
+    chunk = model.cfg.chunk_size
+    if cache.window_stats and (pos + 1) % chunk == 0:
+        advance_windows(new, chunk)
+    return x, new
