@@ -14,7 +14,9 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
 - floors: one GEMV ``torch.mv(W, x)`` over a [n, 1024] matrix holding as many weights as the model
   (``bench.common.weight_read_floor``'s matrix), row-major (``mv``) and column-major (``mv Wᵀ``: the same
   bytes read as a sum of scaled rows, faster on this CPU); the same in bf16; int8 (``_weight_int8pack_mm``);
-- ``segment``: the model's streaming pass on one token (no packed step);
+- ``segment``: the model's general streaming pass on one token (its packed step switched off);
+- ``forward``: the model's own forward with a cache, ``model(tokens, cache)``, as a transformers wrapper or an
+  lm-eval adapter calls it (the packed step of ``step.py`` from the model's own plan);
 - the one-token path (``decode.Decoder``) with float32 / bfloat16 / int8 weight-only packs and the
   ``matmul`` or ``mkldnn`` GEMV (``decode.Decoder(model, dtype, gemv)``);
 - ``compiled``: the same packs through ``decode.StaticDecoder(decoder, cache, compile=True)`` (fixed
@@ -24,6 +26,12 @@ are then cold at every token. ``--order blocks`` has each path decode its tokens
   the bytes a token reads there.
 
 Per round: the median ms/token of each, and each path / the fp32 ``mv`` floor of the same round.
+
+``--port PATH`` (a checkout of the public port, pszemraj/megalodon-hf, as ``bench/peer.py`` takes it; not
+vendored): the port's greedy decode joins the round robin as ``port`` (same config as ``bench/peer.py``, its
+own cache), a second table gives the suite's ``fp32 matmul`` (``Decoder``), ``forward`` and ``segment`` per
+token / the port's, and a third the prompt ingest (``--prompt`` tokens in one streaming call, no autograd,
+the suite's model and the port alternating, best of two per round) and its ratio.
 ``--profile`` adds, per path, the aten ops per token (top-level dispatches, and the profiler's count with
 nested calls) and a profile of one step of the first path timed.
 """
@@ -102,6 +110,60 @@ class CompiledStream(Stream):
         t0 = time.perf_counter()
         self.token = self.decoder.step(self.token).argmax(-1)
         return time.perf_counter() - t0
+
+
+def general_pass(model):
+    """``model(tokens, cache)`` through the general streaming pass for every segment, single tokens included
+    (the model's packed one-token step switched off: ``lm.STEP_TOKENS = 0`` during the call)."""
+    from mega_suite.models.megalodon import lm
+
+    def run(tokens, cache):
+        saved, lm.STEP_TOKENS = lm.STEP_TOKENS, 0
+        try:
+            return model(tokens, cache, use_cache=True)
+        finally:
+            lm.STEP_TOKENS = saved
+
+    return run
+
+
+def port_side(path: str):
+    """The port (``bench.peer.Side``: our config field by field, its own weights), or exit with why not."""
+    from bench import peer
+
+    if peer.peer_source(path) is None:
+        sys.exit(
+            f"--port {path!r}: no megalodon-hf checkout there (expected PATH/src/megalodon/modeling_megalodon.py); "
+            "clone https://github.com/pszemraj/megalodon-hf and pass its path"
+        )
+    side = peer.Side("peer", path)
+    side.model.eval()
+    print(f"port: {peer.peer_source(path)} ({side.note})")
+    return side
+
+
+def ingest_rounds(ours, port, prompt, rounds: int) -> list[list[str]]:
+    """Prompt ingest, ``ours`` (the suite's model) and the port alternating: the best of two per round."""
+    rows = []
+    with torch.inference_mode():
+        for r in range(rounds):
+            best = {}
+            for _ in range(2):
+                for name, fn in (
+                    ("suite", lambda: ours(prompt, use_cache=True)),
+                    ("port", lambda: port(prompt, None)),
+                ):
+                    best[name] = min(best.get(name, float("inf")), timed(fn))
+            rows.append(
+                [
+                    str(r + 1),
+                    f"{best['suite']:.3f}",
+                    f"{best['port']:.3f}",
+                    f"{best['suite'] / best['port']:.2f}",
+                ]
+            )
+            print("  ingest " + " | ".join(rows[-1]), flush=True)
+    return rows
 
 
 def floors(numel: int) -> dict:
@@ -203,12 +265,21 @@ def main(argv: list[str] | None = None) -> None:
         "says: token by token, or every 128 tokens; no floors between them), and the table gives ms/token per "
         "128 positions",
     )  # fmt: skip
-    known = ["segment"] + [p[0] for p in PATHS]
+    ap.add_argument(
+        "--port", default=None, metavar="PATH",
+        help="a megalodon-hf checkout: the port's decode as path 'port', ratios to it, and prompt ingest beside it",
+    )  # fmt: skip
+    known = ["segment", "forward"] + [p[0] for p in PATHS] + ["port"]
     ap.add_argument(
         "--paths", default=None, help=f"comma list of the paths to time (default: all): {', '.join(known)}"
     )
     args = ap.parse_args(argv)
-    chosen = known if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
+    default = [p for p in known if p != "port" or args.port]
+    chosen = default if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
+    if "port" in chosen and not args.port:
+        ap.error("--paths port needs --port PATH (a megalodon-hf checkout)")
+    if args.port and "port" not in chosen:
+        chosen.append("port")
     unknown = [p for p in chosen if p not in known]
     if unknown or not chosen:
         ap.error(f"--paths {args.paths!r}: unknown {unknown or 'none given'}; expected some of {known}")
@@ -230,19 +301,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.paths is not None and cannot:
         sys.exit(f"--paths: {cannot} cannot run here (mkldnn unavailable for it, or --no-compile given)")
     paths = [p for p in PATHS if (p[2] != "mkldnn" or mkldnn(p[1])) and p[0] in chosen]
-    segment = lambda tokens, cache: base(tokens, cache, use_cache=True)  # noqa: E731  (the model's own pass)
-    streams = {"segment": Stream(segment, prompt)} if "segment" in chosen else {}
+    streams = {"segment": Stream(general_pass(base), prompt)} if "segment" in chosen else {}
+    if "forward" in chosen:  # its own copy: its own packed plan, as each decoder's
+        own = copy.deepcopy(base)
+        streams["forward"] = Stream(lambda tokens, cache: own(tokens, cache, use_cache=True), prompt)
     for name, dtype, gemv, compiled, kv_dtype in paths:
         if compiled and args.no_compile:
             continue
         decoder = decode.Decoder(copy.deepcopy(base), dtype, gemv, kv_dtype)
         streams[name] = (CompiledStream if compiled else Stream)(decoder, prompt)
+    port = port_side(args.port) if "port" in chosen else None
+    if port is not None:
+        streams["port"] = Stream(port.stream, prompt)
     if args.sweep:
         sweep(streams, args)
         return
     reads = floors(numel)
     names = list(reads) + list(streams)
-    rows = []
+    rows, port_rows = [], []
     for r in range(args.rounds):
         times = collections.defaultdict(list)
         for s in streams.values():
@@ -269,12 +345,32 @@ def main(argv: list[str] | None = None) -> None:
         floor = med["floor fp32 mv"]
         rows.append([str(r + 1)] + [f"{med[n]:.2f} ({med[n] / floor:.2f}x)" for n in names])
         print("  " + " | ".join(rows[-1]), flush=True)
+        if port is not None:
+            mine = [n for n in ("fp32 matmul", "forward", "segment") if n in med]
+            port_rows.append(
+                [str(r + 1), f"{med['port']:.2f}"]
+                + [f"{med[n]:.2f} ({med[n] / med['port']:.2f})" for n in mine]
+            )
     print(
         f"\nGreedy decode, batch 1, prompt {args.prompt}, {args.threads} threads, median ms per token over "
         f"{args.tokens} tokens per round (segment path: {args.tokens // 4}), {args.order}; in brackets: "
         "/ the fp32 mv floor of the same round:\n"
     )
     print(markdown_table(["round"] + names, rows))
+    if port is not None:
+        mine = [n for n in ("fp32 matmul", "forward", "segment") if n in streams]
+        labels = {"fp32 matmul": "suite Decoder", "forward": "suite forward", "segment": "suite segment"}
+        print(
+            "\nThe suite beside the port, same rounds: ms per token (in brackets / the port's); suite Decoder = "
+            "decode.Decoder(model), suite forward = model(tokens, cache), suite segment = the general streaming "
+            "pass on one token:\n"
+        )
+        print(markdown_table(["round", "port"] + [labels[n] for n in mine], port_rows))
+        print(
+            f"\nPrompt ingest, {args.prompt} tokens in one streaming call, seconds (best of two per round):\n"
+        )
+        ingest = ingest_rounds(base, port.stream, prompt, args.rounds)
+        print(markdown_table(["round", "suite s", "port s", "suite / port"], ingest))
     if args.profile:
         print("\naten ops per token (top-level dispatches / profiler events with nested calls):")
         for name, s in streams.items():
