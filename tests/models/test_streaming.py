@@ -231,6 +231,22 @@ def test_the_packed_step_is_taken_only_where_it_applies(monkeypatch):
     assert len(calls) == model.cfg.num_layers
 
 
+def test_the_packed_step_is_float32_under_autocast():
+    """A plan first packed under bf16 autocast holds float32 weights, and the step runs in float32 whatever
+    the autocast: the same logits as without it."""
+    model = float32_lm(36)
+    other = copy.deepcopy(model)
+    tokens = tokens_for(model, 2, 6, seed=37)
+    outs = []
+    for m, mixed in ((model, True), (other, False)):
+        with torch.no_grad():
+            _, cache = m(tokens[:, :4], use_cache=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                outs.append(m(tokens[:, 4:6], cache)[0])
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def _change(model, how, tokens):
     """Change ``model``'s weights in place as ``how`` says."""
     if how == "fused_adamw":  # writes outside autograd's version counters; no train() / eval() switch here

@@ -260,6 +260,7 @@ register_optimizer_step_post_hook(weights_may_have_been_rewritten)
 class DecodePlan:
     """Packed weights for every block and the head, and the key of the parameters they were built from."""
 
+    @torch.no_grad()
     def __init__(self, model: nn.Module, dtype: torch.dtype, kind: str, kv_dtype: torch.dtype | None = None):
         self.options = (dtype, kind, kv_dtype)
         self.kv_dtype = kv_dtype
@@ -267,11 +268,14 @@ class DecodePlan:
         self.key = self.current_key()
         self.changes = _CHANGES[0]  # at the last comparison of the parameter objects
         self.rewrites = _REWRITES[0]
-        self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
-        head = model.output.output
-        self.head = Gemv(head.weight.float(), None, torch.float32, kind)  # float32 logits, whatever the dtype
         fn = model.output.final_norm
-        self.final_w1, self.final_b = 1 + fn.weight.float(), fn.bias.float()
+        with torch.autocast(fn.weight.device.type, enabled=False):  # packed in float32 whoever asks
+            self.blocks = [BlockPack(layer, dtype, kind, kv_dtype) for layer in model.layers]
+            head = model.output.output
+            self.head = Gemv(
+                head.weight.float(), None, torch.float32, kind
+            )  # float32 logits, whatever the dtype
+            self.final_w1, self.final_b = 1 + fn.weight.float(), fn.bias.float()
         self.final_groups, self.final_eps = fn.num_groups, fn.eps
         self._one_buffer()
 
