@@ -840,6 +840,24 @@ def test_the_decode_sweep_benchmark_runs(capsys, fresh_dynamo):
     assert "| 8-136 " in out and "| 136-138 " in out
 
 
+def test_the_decode_benchmark_times_the_forward_and_checks_the_port(capsys, monkeypatch, tmp_path):
+    """``bench.decode``'s ``forward`` path takes the model's packed step, ``segment`` the general pass; ``--port``
+    without a checkout, or the ``port`` path without ``--port``, is refused with one line."""
+    from bench import decode as decode_bench
+
+    calls = count_steps(monkeypatch)
+    decode_bench.main(["--paths", "segment", "--prompt", "4", "--sweep", "3", "--threads", "1"])
+    assert calls == []
+    decode_bench.main(["--paths", "forward", "--prompt", "4", "--sweep", "3", "--threads", "1"])
+    assert len(calls) == 3 * 4  # megalodon_cpu_bench: 4 blocks
+    assert "| 4-7 " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no megalodon-hf checkout there"):
+        decode_bench.main(["--paths", "forward", "--port", str(tmp_path), "--sweep", "1", "--prompt", "2"])
+    with pytest.raises(SystemExit):
+        decode_bench.main(["--paths", "port", "--sweep", "1"])
+    assert "--paths port needs --port PATH" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("order", ["round-robin", "blocks"])
 def test_the_decode_sweep_takes_turns_as_ordered(monkeypatch, capsys, order):
     """``--sweep --order blocks``: each path decodes 128 positions back to back (as ``generate()`` does,
