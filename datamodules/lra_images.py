@@ -19,8 +19,8 @@ from torch.utils.data import Dataset, Subset
 from . import common
 from .common import random_split_indices
 from .errors import DataError
-from .safe_pickle import restricted_load
 from .lra import LRA_SOURCE, LRADataModule, _require
+from .safe_pickle import restricted_load
 
 CIFAR_SOURCE = (
     "CIFAR-10, python version (https://www.cs.toronto.edu/~kriz/cifar.html, cifar-10-python.tar.gz); "
