@@ -4,9 +4,12 @@
     python -m bench.gpu_bench --roofline-only     # the analytic roofline (spec-sheet ceilings); any machine
     python -m bench.gpu_bench --stages ceilings,attention --out /tmp/r.md --deadline 120
     python -m bench.gpu_bench --autotune          # Triton's autotuners instead of fixed tiles (minutes more)
+    python -m bench.gpu_bench --stages train_step --train-args "model.num_layers=4 trainer.float32_matmul_precision=high"
 
-Runs on the GPU machine's own python3 (torch and Triton preinstalled, no project virtual environment): it
-imports nothing outside torch, Triton and this repository's kernels and models (no omegaconf, no Lightning).
+Runs on the GPU machine's own python3 (torch, Triton and Lightning preinstalled, no project virtual environment):
+every stage but ``train_step`` imports nothing outside torch, Triton and this repository's kernels and models;
+``train_step`` goes through the suite's configuration and Lightning module, so it also needs omegaconf, which
+the lent machine lacks (carry it: bench/README.md); without it that stage alone fails, saying so.
 
 Stages, in order, each written to the report as it ends (a run cut off still leaves every finished stage),
 each stopped at its budget and failing alone; the whole run stops starting stages at ``--deadline`` seconds
@@ -17,20 +20,26 @@ each stopped at its budget and failing alone; the whole run stops starting stage
    nothing is timed. ``--no-warm`` skips it.
 1. ``ceilings`` (20 s): device copy bandwidth (1 GiB, bytes read + written), dense bf16 GEMM rate and
    float32 SGEMM rate (TF32 off), n 8192, random data; every floor after this divides by these.
-2. ``kernels`` (60 s): TimestepNorm (bf16 and float32), CEMA, Q/K norm + RoPE at B1 L32K and the 7B widths,
-   forward and forward + backward; the decode GEMV at two 7B shapes, forward.
+2. ``kernels`` (60 s): TimestepNorm (bf16 and float32), CEMA, Q/K norm + RoPE (both kernel variants) at B1
+   L32K and the 7B widths, forward and forward + backward; the decode GEMV at two 7B shapes, forward.
 3. ``attention`` (60 s): every attention path side by side at the 7B's 4K chunk (dk 256, dv 256 and 2048,
    causal; ``bench.attention_gpu``'s comparison), SDPA flash beside them, and the path the dispatcher
    (``kernels.attention.attention_path``) picks, so its thresholds can be settled.
 4. ``block_eager`` (45 s): one 7B-width block, Megalodon beside Llama-2, bf16-mixed, forward + backward, at
    4K and 32K.
-5. ``block_variants`` (40 s): Megalodon's eager block under each attention variant (causal row blocks, P
-   saved), in one process with the default first and last, to choose the defaults from the block.
-6. ``block_compiled`` (60 s): the same through ``torch.compile`` (Inductor defaults, as
+5. ``block_variants`` (45 s): Megalodon's eager block under each kernel variant (attention's causal row
+   blocks and saved P, the Q/K kernel's ``rows`` variant), in one process with the default first and last, to
+   choose the defaults from the block.
+6. ``train_step`` (60 s): the whole model through the suite's own training step, as ``run.py`` builds it
+   (``load_config`` of ``llm_7b`` with 2 layers, ``make_plan``, ``build_run_module``, ``build_trainer``:
+   bf16-mixed, fused AdamW, clipping, the run's callbacks; one GPU, one sequence per step, random tokens),
+   Megalodon and the parameter-matched Llama at 4K and 32K: tokens/s, MFU against the measured GEMM rate,
+   peak memory, and the Megalodon / Llama ratio beside the block's.
+7. ``block_compiled`` (60 s): the same through ``torch.compile`` (Inductor defaults, as
    ``trainer.compile=true`` compiles each block) at 4K.
-7. ``block_reduce_overhead`` (50 s): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs,
+8. ``block_reduce_overhead`` (50 s): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs,
    ``trainer.compile_mode=reduce-overhead``) at 4K, where launch overhead matters.
-8. ``block_compiled_long`` (60 s): ``torch.compile`` at 32K (no target: last, the first cut by the deadline).
+9. ``block_compiled_long`` (60 s): ``torch.compile`` at 32K (no target: last, the first cut by the deadline).
 
 Every timed figure has its analytic FLOPs and bytes (``bench.roofline``), the floor
 max(FLOPs / rate, bytes / copy bandwidth) under the ceilings measured in stage 1, and measured / floor.
@@ -47,9 +56,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
+import importlib.util
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -88,6 +100,9 @@ TARGET_ATTENTION_DV2048 = 0.5  # fwd+bwd minimal FLOPs / time / dense bf16 GEMM 
 TARGET_ATTENTION_DV256 = 1.1  # our best path / SDPA flash, fwd+bwd
 TARGET_TIMESTEP_NORM = 0.6  # fwd+bwd minimal bytes / time / copy bandwidth
 TARGET_CEMA_MS = 2.5  # fwd+bwd at B1 L32K D4096 N16
+# Issue 37's.
+TARGET_QK_FLOOR = 0.7  # Q/K norm + RoPE fwd+bwd: floor / measured
+TARGET_TRAIN_RATIO = 0.05  # whole model Megalodon / Llama within 5% of the block's ratio
 
 # ------------------------------------------------------------------------------------------------ state
 
@@ -111,6 +126,12 @@ class Sizes:
     copy_bytes: int = 1 << 30
     gemm_n: int = 8192
     low_dtype: str = "bfloat16"  # the interpreter (CPU tests) has no bf16
+    # train_step: the recipe and overrides it runs (before TRAIN_FIXED and --train-args), its lengths, and the
+    # optimizer steps run before timing (the first compiles and allocates) and timed
+    train_recipe: str = "llm_7b"
+    train_overrides: tuple[str, ...] = ("model.num_layers=2", "trainer.gradient_checkpointing=false")
+    train_lengths: tuple[int, ...] = (4096, 32768)
+    train_steps: tuple[int, int] = (2, 4)
 
 
 @dataclass
@@ -124,6 +145,8 @@ class Bench:
     device: str = "cuda"
     sizes: Sizes = field(default_factory=Sizes)
     warm_only: bool = False  # in a ``--warm`` child: each timed function runs once, for its compiles
+    block_ms: dict[tuple[str, int, str], float | None] = field(default_factory=dict)  # (mode, L, kind) -> ms
+    train_args: tuple[str, ...] = ()  # --train-args: more overrides of the train_step runs
 
     def rates(self) -> rl.Ceilings:
         """The measured ceilings, or the spec sheet's when the ceilings stage did not run."""
@@ -163,7 +186,7 @@ class BenchReport(Report):
 
     def write(self, footer: str = "") -> None:
         s = self.state
-        lead = "## Targets (issue 29)\n\n" + (
+        lead = "## Targets (issues 29 and 37)\n\n" + (
             markdown_table(["target", "measured", "verdict", "stage"], s.targets)
             if s.targets
             else "None measured yet."
@@ -399,7 +422,17 @@ def _cema_row(work: rl.Work, method: str = "auto") -> tuple[list[str], float | N
     return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both), achieved], both
 
 
-def _qk_row(work: rl.Work) -> list[str]:
+# The Q/K kernel's variants timed alone (kernels.qk_norm_rope.triton settings); the block_variants stage times
+# the rows variant inside the block, where the choice is made.
+QK_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("", {}),
+    ("rows", {"VARIANT": "rows"}),
+    ("rows, bwd tile 2048 x 8 warps", {"VARIANT": "rows", "ROWS_BWD_TILE": 2048, "ROWS_BWD_WARPS": 8}),
+)
+
+
+def _qk_row(work: rl.Work, name: str = "", settings: dict | None = None) -> tuple[list[str], float | None]:
+    """A row for the Q/K kernel under ``settings`` of kernels.qk_norm_rope.triton, and floor / measured."""
     import torch
 
     from kernels.qk_norm_rope import qk_norm_rope
@@ -413,10 +446,14 @@ def _qk_row(work: rl.Work) -> list[str]:
     def run():
         return qk_norm_rope(q_in, gamma, beta, 1e5, 1e-5, z.chunk, 0, _low())
 
-    with torch.no_grad():
-        fwd = try_ms(run)
-    both = try_ms(lambda: torch.autograd.backward(run(), cts), (q_in, gamma, beta))
-    return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both), _bandwidth(work, both)]
+    if name:  # its own line in the roofline table
+        work = rl.Work(f"{work.name}, {name}", flops=work.flops, simt_flops=work.simt_flops, bytes=work.bytes)
+    with _settings({"kernels.qk_norm_rope.triton": settings or {}}):
+        with torch.no_grad():
+            fwd = try_ms(run)
+        both = try_ms(lambda: torch.autograd.backward(run(), cts), (q_in, gamma, beta))
+    share = None if both is None else work.floor_s(STATE.rates()) * 1e3 / both
+    return [work.name, fmt(fwd), fmt(both), *STATE.floor_cells(work, both), _bandwidth(work, both)], share
 
 
 def _gemv_row(work: rl.Work, rows: int, cols: int) -> list[str]:
@@ -467,15 +504,21 @@ def stage_kernels() -> Outcome:
     STATE.target(f"CEMA fwd+bwd <= {TARGET_CEMA_MS} ms, tensor-core form", fmt(tc_ms, 2, " ms"),
                  _ok(tc_ms, rule), "kernels")  # fmt: skip
     _empty_cache()
-    rows.append(_qk_row(works["qk_norm_rope"]) + ["-"])
-    _empty_cache()
+    rule = lambda v: v >= TARGET_QK_FLOOR  # noqa: E731
+    for name, settings in QK_VARIANTS:
+        row, share = _qk_row(works["qk_norm_rope"], name, settings)
+        rows.append(row + [f">= {TARGET_QK_FLOOR:.0%} of its floor: {_verdict(share, rule)}"])
+        STATE.target(f"Q/K norm + RoPE fwd+bwd >= {TARGET_QK_FLOOR:.0%} of its floor (floor / measured), {name or 'the default'}",
+                     fmt(None if share is None else 100 * share, 0, "%"), _ok(share, rule), "kernels")  # fmt: skip
+        _empty_cache()
     rows.append(_gemv_row(works["gemv_ffn_in"], 2 * z.ffn_dim, z.dim) + ["-"])
     rows.append(_gemv_row(works["gemv_ffn_out"], z.dim, z.ffn_dim) + ["-"])
     _empty_cache()
     body = (
         "Each kernel through its dispatcher (the Triton path on CUDA), forward and forward + backward into every "
         "input; TimestepNorm also in float32 (the block runs it and CEMA as float32 islands); CEMA from its raw "
-        "parameters as the model trains it; the GEMV forward only (decoding). Floors and FLOP / byte counts: "
+        "parameters as the model trains it; Q/K norm + RoPE under each kernel variant (`rows`: whole tokens per "
+        "program, a cos / sin table); the GEMV forward only (decoding). Floors and FLOP / byte counts: "
         "bench/roofline.py.\n\n"
     )
     return Outcome(True, body + markdown_table(KERNEL_HEADERS, rows))
@@ -691,6 +734,7 @@ def _block_table(mode: str, lengths: tuple[int, ...]) -> tuple[list[list[str]], 
             first = time.perf_counter()
             step, grads = block_step(kind, length, mode)
             t[kind] = try_ms(step, grads, rep_ms=300)
+            STATE.block_ms[(mode, length, kind)] = t[kind]
             seconds = time.perf_counter() - first
             work = works[kind]
             rows.append([f"{length // 1024}K" if length >= 1024 else str(length), kind, mode, fmt(t[kind]),
@@ -770,40 +814,43 @@ def stage_block_compiled_long() -> Outcome:
     return _compiled(lengths, "block_compiled_long")
 
 
-# The attention choices that timing the kernel alone could not settle (on an H200 one square was faster
-# alone, the block slower with it), each as settings of kernels.attention.probs, timed inside the block.
-BLOCK_VARIANTS: tuple[tuple[str, dict], ...] = (
+# The kernel choices that timing a kernel alone cannot settle (on an H200 one square was faster alone, the
+# block slower with it), each as settings of the modules named, timed inside the block.
+BLOCK_VARIANTS: tuple[tuple[str, dict[str, dict]], ...] = (
     ("default", {}),
-    ("one square", {"CAUSAL_ROW_BLOCKS": 1}),
-    ("halves", {"CAUSAL_ROW_BLOCKS": 2}),
-    ("saved P", {"SAVE_PROBS": True}),
+    ("one square", {"kernels.attention.probs": {"CAUSAL_ROW_BLOCKS": 1}}),
+    ("halves", {"kernels.attention.probs": {"CAUSAL_ROW_BLOCKS": 2}}),
+    ("saved P", {"kernels.attention.probs": {"SAVE_PROBS": True}}),
+    ("Q/K rows", {"kernels.qk_norm_rope.triton": {"VARIANT": "rows"}}),
     ("default again", {}),
 )
 
 
 @contextlib.contextmanager
-def _module_settings(module, settings: dict):
-    old = {name: getattr(module, name) for name in settings}
+def _settings(settings: dict[str, dict]):
+    """Module attributes set for the block: {module name: {attribute: value}}, restored after."""
+    old = []
     try:
-        for name, value in settings.items():
-            setattr(module, name, value)
+        for module_name, values in settings.items():
+            module = importlib.import_module(module_name)
+            for name, value in values.items():
+                old.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
         yield
     finally:
-        for name, value in old.items():
+        for module, name, value in reversed(old):
             setattr(module, name, value)
 
 
 def stage_block_variants() -> Outcome:
-    """Megalodon's eager block at each length under each attention variant, in one process, with the default
+    """Megalodon's eager block at each length under each kernel variant, in one process, with the default
     timed first and last: its drift says how large a difference must be to mean something."""
-    from kernels.attention import probs
-
     rows = []
     for length in STATE.sizes.block_lengths:
         step, grads = block_step("megalodon", length, "eager")
         base = None
         for name, settings in BLOCK_VARIANTS:
-            with _module_settings(probs, settings):
+            with _settings(settings):
                 ms = try_ms(step, grads, rep_ms=300)
             base = ms if base is None else base
             rows.append([f"{length // 1024}K" if length >= 1024 else str(length), name, fmt(ms),
@@ -812,8 +859,9 @@ def stage_block_variants() -> Outcome:
         del step, grads
         _empty_cache()
     body = (
-        "Megalodon's block as in block_eager, under each attention variant (`kernels.attention.probs` settings: "
-        "causal row blocks, P saved for backward); the default first and last.\n\n"
+        "Megalodon's block as in block_eager, under each kernel variant (`kernels.attention.probs` settings: "
+        "causal row blocks, P saved for backward; `kernels.qk_norm_rope.triton.VARIANT`: the Q/K kernel's rows "
+        "variant); the default first and last.\n\n"
     )
     return Outcome(True, body + markdown_table(["L", "attention", "ms", "/ default"], rows))
 
@@ -824,6 +872,244 @@ def stage_block_reduce_overhead() -> Outcome:
     STATE.target(f"Megalodon / Llama reduce-overhead at L {length} (no target)", fmt(ratios.get(length), 2), None,
                  "block_reduce_overhead")  # fmt: skip
     return _block_outcome("reduce-overhead", rows, ratios)
+
+
+# the whole model through the suite's training step --------------------------------------------------------
+
+# What train_step sets on top of the recipe: one GPU, one sequence per optimizer step (no accumulation towards
+# the recipe's 4M-token batch), no validation, no progress bar in the log.
+TRAIN_FIXED = (
+    "trainer.devices=1", "trainer.strategy=auto", "trainer.global_batch_tokens=0",
+    "trainer.accumulate_grad_batches=1", "trainer.limit_val_batches=0", "trainer.progress_bar=false",
+    "data.batch_size=1",
+)  # fmt: skip
+TRAIN_HEADERS = ["L", "model", "parameters", "step ms", "tokens/s", "MFU", "peak GiB", "layer ms",
+                 "layers x layer ms", "rest ms", "s (incl. build)"]  # fmt: skip
+TRAIN_NEEDS = ("omegaconf", "lightning")
+
+
+def train_argv(arch: str, length: int, run_root: Path) -> list[str]:
+    """The command line (``run.py``'s key=value list) of one train_step run."""
+    z = STATE.sizes
+    return [
+        f"recipe={z.train_recipe}", *z.train_overrides, *TRAIN_FIXED, f"model.arch={arch}",
+        f"data.options.seq_len={length}", f"trainer.accelerator={'gpu' if STATE.device == 'cuda' else 'cpu'}",
+        f"trainer.max_steps={sum(z.train_steps)}", f"run_root={run_root}", *STATE.train_args,
+    ]  # fmt: skip
+
+
+def _random_tokens(vocab: int, length: int, batch: int, steps: int, seed: int):
+    """A data module of ``steps`` batches of random tokens, ``{"input", "target"}`` [B, L] int64 as the
+    pretraining loader yields them (the corpus and its tokenizer are not on a lent machine)."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    class RandomTokens(L.LightningDataModule):
+        vocab_size = vocab
+
+        def train_dataloader(self):
+            tokens = torch.randint(
+                0, vocab, (steps * batch, length + 1), generator=torch.Generator().manual_seed(seed)
+            )
+            rows = [{"input": t[:-1], "target": t[1:]} for t in tokens]
+            return DataLoader(rows, batch_size=batch, pin_memory=STATE.device == "cuda")
+
+    return RandomTokens()
+
+
+def _step_clock(at_end: Callable[[object, object], None]):
+    """A callback noting when each training batch ends (device synchronised): the interval between two ends is
+    one whole step (data, forward, backward, clipping, optimizer, logging and every other hook). ``at_end``
+    runs when training ends, before Lightning's teardown moves the module to the host."""
+    import lightning as L
+
+    class StepClock(L.Callback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+            _sync()
+            self.ends.append(time.perf_counter())
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            at_end(trainer, pl_module)
+
+    return StepClock()
+
+
+def _layer_ms(layer, length: int, width: int, precision: str) -> float | None:
+    """One of the model's own layers, forward + backward at batch 1 under the run's autocast, as block_step."""
+    import torch
+
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    x = _randn(1, length, width).requires_grad_()
+    ct = _randn(1, length, width)
+
+    def step():
+        with torch.autocast(STATE.device, dtype or torch.bfloat16, enabled=dtype is not None):
+            out = layer(x)
+        (out[0] if isinstance(out, tuple) else out).backward(ct)
+
+    return try_ms(step, [x, *layer.parameters()], rep_ms=300)
+
+
+def train_run(arch: str, length: int, folder: Path) -> dict:
+    """One short fit of the suite's Lightning module at ``length`` tokens per sequence, built as ``run.py``
+    builds it (the plan, ``build_run_module``, ``build_trainer`` and its callbacks; no checkpoint is written:
+    a save is not a step): the median step after ``train_steps[0]`` warm-up steps, the peak memory, and one of
+    the model's layers timed alone when training ends."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mega_suite.config import load_config
+    from mega_suite.config.run_plan import make_plan
+    from mega_suite.models import count_parameters
+    from mega_suite.training.runner import build_run_module, build_trainer, quiet_lightning
+
+    warm, timed = STATE.sizes.train_steps
+    if warm < 1 or timed < 1:
+        raise ValueError(
+            f"train_steps must be (warm-up >= 1, timed >= 1) optimizer steps, got {(warm, timed)}"
+        )
+    first = time.perf_counter()
+    plan = make_plan(load_config(train_argv(arch, length, folder / "runs")))
+    cfg = plan.cfg
+    data = _random_tokens(plan.data_kwargs["vocab_size"], length, cfg.data.batch_size, warm + timed, cfg.seed)
+    plan = plan.with_data(data)
+    quiet_lightning()
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = build_run_module(plan)
+    result: dict = dict(layers=plan.model.num_layers, params=count_parameters(module.model),
+                        flops_per_token=plan.flops_per_token)  # fmt: skip
+
+    def at_end(trainer, pl_module) -> None:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if STATE.device == "cuda" else None
+        for opt in trainer.optimizers:  # not needed any more; teardown would copy them to the host
+            opt.state.clear()
+        pl_module.zero_grad(set_to_none=True)
+        result["layer_ms"] = _layer_ms(
+            pl_module.model.layers[0], length, plan.model.model_dim, trainer.precision
+        )
+
+    clock = _step_clock(at_end)
+    trainer = build_trainer(plan, folder / arch, [clock])
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+    if STATE.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        del trainer, module
+        gc.collect()
+        _empty_cache()
+    ends = clock.ends
+    if len(ends) != warm + timed or "layer_ms" not in result:
+        raise RuntimeError(f"the fit ran {len(ends)} steps, {warm + timed} were asked")
+    step_s = statistics.median(b - a for a, b in zip(ends[warm - 1 : -1], ends[warm:]))
+    result.update(step_ms=1e3 * step_s, tokens_per_s=cfg.data.batch_size * length / step_s,
+                  seconds=time.perf_counter() - first)  # fmt: skip
+    return result
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def stage_train_step() -> Outcome:
+    """The whole model through the suite's training step, Megalodon beside the parameter-matched Llama, at
+    each length: tokens/s, MFU against the measured GEMM rate, peak memory, and the Megalodon / Llama ratio
+    beside the eager block's (block_eager, this process); the step's time beyond its layers' own times is the
+    rest: embedding, head and loss, optimizer, clipping, data and Lightning's hooks. Stopped at its budget, it
+    reports the runs that finished."""
+    import tempfile
+
+    import torch
+
+    missing = [m for m in TRAIN_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        return Outcome(False, f"Not run: the suite's training step needs {', '.join(missing)}, which this "
+                              "python lacks (carry it: bench/README.md#the-gpu-machine).")  # fmt: skip
+    rows, lines, stopped = [], [], None
+    precision = torch.get_float32_matmul_precision()  # build_trainer sets the run's; later stages get theirs
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_bench_train_") as tmp:
+            for length in STATE.sizes.train_lengths:
+                got = {}
+                for arch in ("megalodon", "llama"):
+                    try:
+                        got[arch] = train_run(arch, length, Path(tmp) / f"{arch}{length}")
+                    except Exception as e:  # noqa: BLE001 -- a "-" row; the next run still goes
+                        if _stage_timeout(e):
+                            raise
+                        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                              flush=True)  # fmt: skip
+                        _empty_cache()
+                    rows.append(_train_row(length, arch, got.get(arch)))
+                    print(" | ".join(rows[-1]), flush=True)
+                lines.append(_train_ratio(length, got))
+    except Exception as e:  # noqa: BLE001 -- the stage's budget: the finished runs are kept
+        if not _stage_timeout(e):
+            raise
+        stopped = f"Stopped at the stage's budget ({e}); the runs above finished."
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    z = STATE.sizes
+    body = (
+        f"The suite's own training step, built as `run.py` builds it: `recipe={z.train_recipe}` with "
+        f"{' '.join(f'`{o}`' for o in z.train_overrides + STATE.train_args)}, and `model.arch=megalodon` / `llama` "
+        f"(the Llama matched in parameters to the recipe's Megalodon), one GPU, one sequence per optimizer step, "
+        f"random tokens; {z.train_steps[0]} warm-up steps, then the median of {z.train_steps[1]} (batch end to batch "
+        "end: data, forward, backward, clipping, AdamW, logging and every hook; no checkpoint is written). MFU: "
+        "the plan's FLOPs per token x tokens/s / the dense GEMM rate measured in `ceilings`. Layer ms: one of the "
+        "model's own layers, forward + backward, timed alone after the fit as `block_eager` times a block; rest = "
+        "step - layers x layer: embedding, head and loss, optimizer, clipping, data and Lightning. The matched "
+        "Llama's layer is not `block_eager`'s Llama-2-7B block (its FFN width fills the parameter budget of "
+        "this depth), so both ratios are given.\n\n"
+    )
+    body += (
+        markdown_table(TRAIN_HEADERS, rows)
+        + "\n\n"
+        + "\n".join(lines)
+        + (f"\n\n{stopped}" if stopped else "")
+    )
+    return Outcome(stopped is None, body)
+
+
+def _train_row(length: int, arch: str, r: dict | None) -> list[str]:
+    """A row of the train_step table (dashes for a run that failed); records Megalodon's MFU."""
+    if r is None:
+        return [_length(length), arch] + ["-"] * (len(TRAIN_HEADERS) - 2)
+    layers_ms = None if r["layer_ms"] is None else r["layers"] * r["layer_ms"]
+    mfu = r["tokens_per_s"] * r["flops_per_token"] / STATE.rates().bf16_flops_per_s
+    if arch == "megalodon":
+        STATE.target(f"Megalodon MFU through the training step at L {length} (reported)", f"{mfu:.1%}", None,
+                     "train_step")  # fmt: skip
+    return [_length(length), f"{arch}, {r['layers']} layer{'s' * (r['layers'] != 1)}", _count(r["params"]),
+            fmt(r["step_ms"]), f"{r['tokens_per_s']:,.0f}", f"{mfu:.1%}", fmt(r["peak_gib"], 1), fmt(r["layer_ms"]),
+            fmt(layers_ms), fmt(None if layers_ms is None else r["step_ms"] - layers_ms), f"{r['seconds']:.0f}"]  # fmt: skip
+
+
+def _length(length: int) -> str:
+    return f"{length // 1024}K" if length >= 1024 else str(length)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _train_ratio(length: int, got: dict[str, dict]) -> str:
+    """The line giving the whole model's Megalodon / Llama ratio beside the block's; records the target."""
+    mega, llama = got.get("megalodon", {}), got.get("llama", {})
+    whole = _ratio(mega.get("step_ms"), llama.get("step_ms"))
+    block = _ratio(*(STATE.block_ms.get(("eager", length, k)) for k in ("megalodon", "llama")))
+    own = _ratio(mega.get("layer_ms"), llama.get("layer_ms"))
+    ok = None if whole is None or block is None else abs(whole / block - 1) <= TARGET_TRAIN_RATIO
+    STATE.target(f"Megalodon / Llama through the training step within {TARGET_TRAIN_RATIO:.0%} of the eager "
+                 f"block's at L {length}", f"{fmt(whole, 2)} (block {fmt(block, 2)})", ok, "train_step")  # fmt: skip
+    return (f"- L {length}: Megalodon / Llama {fmt(whole, 2)} through the training step; {fmt(block, 2)} for one "
+            f"eager block (`block_eager`: Llama-2-7B's); {fmt(own, 2)} for the two models' own layers")  # fmt: skip
 
 
 # warm-up ------------------------------------------------------------------------------------------------
@@ -843,7 +1129,8 @@ def _warm_kernels(*names: str) -> None:
         elif name == "cema":
             _cema_row(works["cema"])
         elif name == "qk_norm_rope":
-            _qk_row(works["qk_norm_rope"])
+            for variant, settings in QK_VARIANTS:
+                _qk_row(works["qk_norm_rope"], variant, settings)
         elif name == "gemv":
             _gemv_row(works["gemv_ffn_in"], 2 * z.ffn_dim, z.dim)
 
@@ -922,7 +1209,8 @@ STAGES: list[tuple[str, float, Callable[[], Outcome]]] = [
     ("kernels", 60, stage_kernels),
     ("attention", 60, stage_attention),
     ("block_eager", 45, stage_block_eager),
-    ("block_variants", 40, stage_block_variants),
+    ("block_variants", 45, stage_block_variants),
+    ("train_step", 60, stage_train_step),
     ("block_compiled", 60, stage_block_compiled),
     ("block_reduce_overhead", 50, stage_block_reduce_overhead),
     ("block_compiled_long", 60, stage_block_compiled_long),
@@ -1025,6 +1313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds after start past which no stage starts or runs on (default %(default)s)")  # fmt: skip
     ap.add_argument("--autotune", action="store_true", help="Triton autotuners instead of fixed tiles")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile stage (warm)")
+    ap.add_argument("--train-args", default="",
+                    help="more key=value overrides of the train_step runs, e.g. 'model.num_layers=4'")  # fmt: skip
     ap.add_argument("--warm", choices=sorted(WARM_GROUPS), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--roofline-only", action="store_true",
                     help="print the analytic roofline table (H100 spec-sheet ceilings) and exit; no GPU needed")  # fmt: skip
@@ -1056,6 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     STATE.autotune = args.autotune
+    STATE.train_args = tuple(shlex.split(args.train_args))
     if args.warm:
         return warm_child(args.warm)
     chosen = [

@@ -2,8 +2,9 @@
 restarting in every chunk (docs/architecture.md#normalised-attention).
 
 ``qk_norm_rope`` runs one fused Triton kernel forward and one backward for CUDA tensors (see
-``kernels.dispatch``) and the PyTorch reference otherwise (CPU, float64), which stores only Z for backward and
-recomputes the rest there (``kernels.recompute``).
+``kernels.dispatch``; ``kernels.qk_norm_rope.triton.VARIANT`` picks between two kernels) and the PyTorch
+reference otherwise (CPU, float64), which stores only Z for backward and recomputes the rest there
+(``kernels.recompute``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ __all__ = ["qk_norm_rope"]
 def _inv_freq(zd: int, base: float, device: torch.device) -> Tensor:
     """base^(-2j/zd) in float32, as the reference computes it; one tensor per (width, base, device)."""
     return base ** (-torch.arange(0, zd, 2, device=device, dtype=torch.float32) / zd)
+
+
+@functools.cache
+def _cos_sin_table(zd: int, base: float, chunk: int, device: torch.device) -> Tensor:
+    """The rows variant's [C, zd/2, 2] table; one tensor per (width, base, chunk, device)."""
+    from kernels.qk_norm_rope import triton as fused
+
+    return fused.cos_sin_table(zd, base, chunk, device)
 
 
 def qk_norm_rope(
@@ -59,6 +68,9 @@ def qk_norm_rope(
     if z.dtype != torch.float64 and z.shape[1] > 0 and use_triton(z, gamma, beta):
         from kernels.qk_norm_rope import triton as fused  # imports Triton only when it runs
 
+        if fused.VARIANT == "rows" and fused.rows_fit(zd, chunk_size):
+            table = _cos_sin_table(zd, float(base), int(chunk_size), z.device)
+            return fused.qk_norm_rope_rows(z, gamma, beta, table, eps, chunk_size, start, out_dtype)
         inv = _inv_freq(zd, float(base), z.device)
         return fused.qk_norm_rope(z, gamma, beta, inv, eps, chunk_size, start, out_dtype)
     fn = functools.partial(

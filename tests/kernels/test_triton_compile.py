@@ -216,6 +216,19 @@ def _qk(b, length, h, zd, dtype, out_dtype):
     fused._backward(torch.empty_like(q), torch.empty_like(k), z, gamma, inv, 0, length, 1e-5)
 
 
+def _qk_rows(b, length, h, zd, dtype, out_dtype, chunk=None):
+    """The rows variant's custom ops' implementations (whole tokens per program, a cos / sin table)."""
+    import torch
+
+    from kernels.qk_norm_rope import triton as fused
+
+    chunk = chunk or length
+    z, gamma, beta = _meta(b, length, h, zd, dtype=dtype), _meta(2, h * zd), _meta(2, h * zd)
+    table = _meta(chunk, zd // 2, 2)
+    q, k = fused._rows_forward(z, gamma, beta, table, 0, chunk, 1e-5, out_dtype)
+    fused._rows_backward(torch.empty_like(q), torch.empty_like(k), z, gamma, table, 0, chunk, 1e-5)
+
+
 def _bf16():
     import torch
 
@@ -265,6 +278,9 @@ SCENARIOS: dict[str, list[tuple[str, object]]] = {
     "kernels.qk_norm_rope.triton": [
         ("7B LM bf16 h4 zd256", lambda: _qk(1, 4096, 4, 256, _bf16(), _bf16())),
         ("classifier fp32 h1 zd64", lambda: _qk(2, 1000, 1, 64, _f32(), _f32())),
+        ("7B LM bf16 h4 zd256 C4096, rows variant", lambda: _qk_rows(1, 32768, 4, 256, _bf16(), _bf16(), 4096)),
+        ("classifier fp32 h1 zd64, rows variant", lambda: _qk_rows(2, 1000, 1, 64, _f32(), _f32())),
+        ("h3 zd12 fp32: padded heads and pairs, rows variant", lambda: _qk_rows(2, 100, 3, 12, _f32(), _f32())),
     ],
     "kernels.timestep_norm.triton": [
         ("7B LM bf16 D4096 G64", lambda: _norm(1, 4096, 4096, 64, _bf16())),
