@@ -157,56 +157,57 @@ def _backward(dq, dk, z, gamma, inv_freq, start, chunk, eps):
     return dz, pg.sum(0), pb.sum(0)
 
 
-@torch.library.custom_op(
-    "mega_suite::qk_norm_rope_fwd",
-    mutates_args=(),
-    schema="(Tensor z, Tensor gamma, Tensor beta, Tensor inv_freq, int start, int chunk, float eps, "
-    "ScalarType out_dtype) -> (Tensor, Tensor)",
-)
-def _fwd_op(z, gamma, beta, inv_freq, start, chunk, eps, out_dtype):
-    return _forward(z, gamma, beta, inv_freq, start, chunk, eps, out_dtype)
+def _autograd(name: str, forward, backward, aux: str) -> type[torch.autograd.Function]:
+    """The ops ``mega_suite::<name>_fwd`` / ``_bwd`` around a variant's launchers and the autograd Function over
+    them (the variants share a signature; ``aux`` names the fourth tensor: RoPE's inverse frequencies or its
+    cos/sin table). Only Z and the parameters are stored: the backward recomputes the normalisation."""
+    fwd = torch.library.custom_op(
+        f"mega_suite::{name}_fwd",
+        forward,
+        mutates_args=(),
+        schema=f"(Tensor z, Tensor gamma, Tensor beta, Tensor {aux}, int start, int chunk, float eps, "
+        "ScalarType out_dtype) -> (Tensor, Tensor)",
+    )
+    bwd = torch.library.custom_op(
+        f"mega_suite::{name}_bwd",
+        backward,
+        mutates_args=(),
+        schema=f"(Tensor dq, Tensor dk, Tensor z, Tensor gamma, Tensor {aux}, int start, int chunk, float eps) "
+        "-> (Tensor, Tensor, Tensor)",
+    )
+
+    @fwd.register_fake
+    def _(z, gamma, beta, aux, start, chunk, eps, out_dtype):
+        return z.new_empty(z.shape, dtype=out_dtype), z.new_empty(z.shape, dtype=out_dtype)
+
+    @bwd.register_fake
+    def _(dq, dk, z, gamma, aux, start, chunk, eps):
+        h_zd = z.shape[2] * z.shape[3]
+        part = lambda: z.new_empty(2, h_zd, dtype=torch.float32)  # noqa: E731
+        return torch.empty_like(z), part(), part()
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z, gamma, beta, aux, start, chunk, eps, out_dtype):
+            q, k = fwd(z, gamma, beta, aux, start, chunk, eps, out_dtype)
+            ctx.save_for_backward(z, gamma, aux)
+            ctx.args = (start, chunk, eps)
+            ctx.dtypes = (gamma.dtype, beta.dtype)
+            return q, k
+
+        @staticmethod
+        def backward(ctx, dq, dk):
+            z, gamma, aux = ctx.saved_tensors
+            dq = torch.zeros_like(z) if dq is None else dq.contiguous()
+            dk = torch.zeros_like(z) if dk is None else dk.contiguous()
+            dz, dgamma, dbeta = bwd(dq, dk, z, gamma, aux, *ctx.args)
+            return dz, dgamma.to(ctx.dtypes[0]), dbeta.to(ctx.dtypes[1]), None, None, None, None, None
+
+    Function.__name__ = Function.__qualname__ = "".join(part.title() for part in name.split("_")) + "Function"
+    return Function
 
 
-@_fwd_op.register_fake
-def _(z, gamma, beta, inv_freq, start, chunk, eps, out_dtype):
-    return z.new_empty(z.shape, dtype=out_dtype), z.new_empty(z.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op(
-    "mega_suite::qk_norm_rope_bwd",
-    mutates_args=(),
-    schema="(Tensor dq, Tensor dk, Tensor z, Tensor gamma, Tensor inv_freq, int start, int chunk, float eps) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-def _bwd_op(dq, dk, z, gamma, inv_freq, start, chunk, eps):
-    return _backward(dq, dk, z, gamma, inv_freq, start, chunk, eps)
-
-
-@_bwd_op.register_fake
-def _(dq, dk, z, gamma, inv_freq, start, chunk, eps):
-    h_zd = z.shape[2] * z.shape[3]
-    part = lambda: z.new_empty(2, h_zd, dtype=torch.float32)  # noqa: E731
-    return torch.empty_like(z), part(), part()
-
-
-class QKNormRopeFunction(torch.autograd.Function):
-    """Stores only Z (and the parameters); the backward recomputes the normalisation."""
-
-    @staticmethod
-    def forward(ctx, z, gamma, beta, inv_freq, start, chunk, eps, out_dtype):
-        q, k = torch.ops.mega_suite.qk_norm_rope_fwd(z, gamma, beta, inv_freq, start, chunk, eps, out_dtype)
-        ctx.save_for_backward(z, gamma, inv_freq)
-        ctx.args = (start, chunk, eps)
-        ctx.dtypes = (gamma.dtype, gamma.dtype)
-        return q, k
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        z, gamma, inv_freq = ctx.saved_tensors
-        dq = torch.zeros_like(z) if dq is None else dq.contiguous()
-        dk = torch.zeros_like(z) if dk is None else dk.contiguous()
-        dz, dgamma, dbeta = torch.ops.mega_suite.qk_norm_rope_bwd(dq, dk, z, gamma, inv_freq, *ctx.args)
-        return dz, dgamma.to(ctx.dtypes[0]), dbeta.to(ctx.dtypes[1]), None, None, None, None, None
+QKNormRopeFunction = _autograd("qk_norm_rope", _forward, _backward, "inv_freq")
 
 
 def qk_norm_rope(
@@ -397,56 +398,7 @@ def _rows_backward(dq, dk, z, gamma, table, start, chunk, eps):
     return dz, pg.sum(0), pb.sum(0)
 
 
-@torch.library.custom_op(
-    "mega_suite::qk_norm_rope_rows_fwd",
-    mutates_args=(),
-    schema="(Tensor z, Tensor gamma, Tensor beta, Tensor table, int start, int chunk, float eps, "
-    "ScalarType out_dtype) -> (Tensor, Tensor)",
-)
-def _rows_fwd_op(z, gamma, beta, table, start, chunk, eps, out_dtype):
-    return _rows_forward(z, gamma, beta, table, start, chunk, eps, out_dtype)
-
-
-@_rows_fwd_op.register_fake
-def _(z, gamma, beta, table, start, chunk, eps, out_dtype):
-    return z.new_empty(z.shape, dtype=out_dtype), z.new_empty(z.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op(
-    "mega_suite::qk_norm_rope_rows_bwd",
-    mutates_args=(),
-    schema="(Tensor dq, Tensor dk, Tensor z, Tensor gamma, Tensor table, int start, int chunk, float eps) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-def _rows_bwd_op(dq, dk, z, gamma, table, start, chunk, eps):
-    return _rows_backward(dq, dk, z, gamma, table, start, chunk, eps)
-
-
-@_rows_bwd_op.register_fake
-def _(dq, dk, z, gamma, table, start, chunk, eps):
-    h_zd = z.shape[2] * z.shape[3]
-    part = lambda: z.new_empty(2, h_zd, dtype=torch.float32)  # noqa: E731
-    return torch.empty_like(z), part(), part()
-
-
-class QKNormRopeRowsFunction(torch.autograd.Function):
-    """The rows variant; stores only Z (and the parameters and the table)."""
-
-    @staticmethod
-    def forward(ctx, z, gamma, beta, table, start, chunk, eps, out_dtype):
-        q, k = torch.ops.mega_suite.qk_norm_rope_rows_fwd(z, gamma, beta, table, start, chunk, eps, out_dtype)
-        ctx.save_for_backward(z, gamma, table)
-        ctx.args = (start, chunk, eps)
-        ctx.dtypes = (gamma.dtype, beta.dtype)
-        return q, k
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        z, gamma, table = ctx.saved_tensors
-        dq = torch.zeros_like(z) if dq is None else dq.contiguous()
-        dk = torch.zeros_like(z) if dk is None else dk.contiguous()
-        dz, dgamma, dbeta = torch.ops.mega_suite.qk_norm_rope_rows_bwd(dq, dk, z, gamma, table, *ctx.args)
-        return dz, dgamma.to(ctx.dtypes[0]), dbeta.to(ctx.dtypes[1]), None, None, None, None, None
+QKNormRopeRowsFunction = _autograd("qk_norm_rope_rows", _rows_forward, _rows_backward, "table")
 
 
 def cos_sin_table(zd: int, base: float, chunk: int, device: torch.device) -> Tensor:
