@@ -28,7 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "PWNED"  # the folder a planted payload creates when it runs
+MARKER = (
+    "PWNED"  # the folder a planted payload creates when it runs, in the command's working folder (the world)
+)
 TINY = [
     "model.num_layers=2", "model.model_dim=16", "model.z_dim=8", "model.value_dim=16", "model.ffn_hidden_dim=16",
     "model.chunk_size=32", "trainer.progress_bar=false", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
@@ -54,28 +56,49 @@ class Payload:
 # ---------------------------------------------------------------------------------------------------- the world
 
 
-def build_world(root: Path) -> Path:
-    """Everything the cases read, built once with this checkout's code (in-process)."""
+def build_world(root: Path, repo: Path | None = None, python: str = sys.executable) -> Path:
+    """Everything the cases read. Its runs, bundle and consolidated weights are made by the checkout at
+    ``repo`` through its own command line (so that an older checkout is probed on the files it wrote itself),
+    or by this one in-process when ``repo`` is None (the test suite's)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     from datamodules import KJVDataModule
     from datamodules.listops_generator import generate_listops
-    from mega_suite.config import load_config
-    from mega_suite.training.export import consolidate, export
-    from mega_suite.training.runner import run
+
+    def train(*args: str) -> Path:
+        folder = Path(next(a for a in args if a.startswith("run_dir=")).partition("=")[2])
+        if repo is None:
+            from mega_suite.config import load_config
+            from mega_suite.training.runner import run
+
+            run(load_config(list(args)))
+        else:
+            subprocess.run(
+                [python, str(repo / "run.py"), *args], env=_env(repo, root), check=True, capture_output=True
+            )
+        return folder
+
+    def tool(*args: str) -> None:
+        if repo is None:
+            from mega_suite.cli import main
+
+            assert main(list(args)) == 0
+        else:
+            command = [python, "-m", "mega_suite.training.checkpoint", *args]
+            subprocess.run(command, env=_env(repo, root), check=True, capture_output=True)
 
     root.mkdir(parents=True, exist_ok=True)
     generate_listops(root / "listops", 96, 16, 16, seed=0, progress=False)
     KJVDataModule(str(root / "kjv"), batch_size=2, seq_len=64).prepare_data()
     runs = root / "runs"
     fast = ["trainer.max_steps=2", "trainer.val_check_interval=2"]
-    debug = run(
-        load_config(
-            [*DEBUG, f"data.data_dir={root / 'listops'}", f"run_dir={runs / 'debug' / 'run1'}", *fast]
+    debug = {
+        "run_dir": train(
+            *DEBUG, f"data.data_dir={root / 'listops'}", f"run_dir={runs / 'debug' / 'run1'}", *fast
         )
-    )
-    kjv = run(load_config([*KJV, f"data.data_dir={root / 'kjv'}", f"run_dir={runs / 'kjv' / 'run1'}", *fast]))
+    }
+    kjv = {"run_dir": train(*KJV, f"data.data_dir={root / 'kjv'}", f"run_dir={runs / 'kjv' / 'run1'}", *fast)}
     kjv_last = Path(kjv["run_dir"]) / "checkpoints" / "last.ckpt"
 
     bad = root / "bad"
@@ -85,8 +108,8 @@ def build_world(root: Path) -> Path:
     (bad / "truncated.ckpt").write_bytes(kjv_last.read_bytes()[: kjv_last.stat().st_size // 2])
     (bad / "notckpt").mkdir()
     (bad / "notckpt" / "readme.txt").write_text("a folder, not a checkpoint\n")
-    consolidate(kjv_last, bad / "weights.pt")
-    export(kjv["run_dir"], root / "bundle")
+    tool("consolidate", str(kjv_last), str(bad / "weights.pt"))
+    tool("export", str(kjv["run_dir"]), str(root / "bundle"))
     shutil.copytree(root / "bundle", bad / "bundle-truncated")
     weights = bad / "bundle-truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -95,7 +118,7 @@ def build_world(root: Path) -> Path:
     (bad / "prompt-empty.txt").write_text("")
 
     planted = root / "planted"
-    marker = str(root / MARKER)
+    marker = MARKER  # relative: every command of a case runs in its copy of the world
     payload = pickle.dumps(Payload(marker))
     # a sharded checkpoint whose .metadata is a payload
     (planted / "sharded-metadata").mkdir(parents=True)
@@ -156,7 +179,13 @@ def build_world(root: Path) -> Path:
     past = time.time() - 3600
     for ckpt in (two / "baseline" / "checkpoints").iterdir():
         os.utime(ckpt, (past, past))
-    (root / "home").mkdir()
+    # after a Llama comparison on the same recipe: the Llama run is newer than the Megalodon run
+    pair = root / "pair-runs" / "kjv"
+    shutil.copytree(kjv["run_dir"], pair / "megalodon", ignore=shutil.ignore_patterns(".lock", "eval"))
+    for ckpt in (pair / "megalodon" / "checkpoints").iterdir():
+        os.utime(ckpt, (past, past))
+    train(*KJV, "model.arch=llama", f"data.data_dir={root / 'kjv'}", f"run_dir={pair / 'llama'}", *fast)
+    (root / "home").mkdir(exist_ok=True)  # the commands above ran with HOME there (caches)
     (root / "world.json").write_text(json.dumps({"debug": str(debug["run_dir"]), "kjv": str(kjv["run_dir"])}))
     return root
 
@@ -223,6 +252,16 @@ def _resumed_newest(w: Path) -> str | None:
         for p in (w / "two-runs" / "debug").iterdir()
     }
     return None if steps == {"20260101-000000": 3, "baseline": 2} else f"steps after resume=auto: {steps}"
+
+
+def _resumed_megalodon(w: Path) -> str | None:
+    import torch
+
+    steps = {
+        p.name: torch.load(p / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        for p in (w / "pair-runs" / "kjv").iterdir()
+    }
+    return None if steps == {"megalodon": 3, "llama": 2} else f"steps after resume=auto: {steps}"
 
 
 def _eval_beside(w: Path) -> str | None:
@@ -395,6 +434,9 @@ CASES: list[Case] = [
     Case("resume=auto takes the run with the newest checkpoint, not the last name", "run folders",
          lambda w: debug(w, "resume=auto", f"run_root={w / 'two-runs'}", "trainer.max_steps=3"), refuse=False,
          check=_resumed_newest),
+    Case("resume=auto after a Llama comparison continues the Megalodon run", "run folders",
+         lambda w: kjv(w, "resume=auto", f"run_root={w / 'pair-runs'}", "trainer.max_steps=3"), refuse=False,
+         check=_resumed_megalodon),
     Case("a refused generate leaves no folder (unknown key)", "run folders",
          lambda w: generate(w, _run(w, "kjv"), "top_kk=3"), says=("top_kk",)),
     Case("a refused lm_eval leaves no folder (unknown task)", "run folders",
@@ -449,12 +491,19 @@ def command_line(argv: list[str], repo: Path, python: str) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file and folder of a world: (is a folder, size, modification time). Left out: locks, and what
+    libraries cache in the home folder (matplotlib's font list, the lm-eval task index)."""
     out = {}
     for p in root.rglob("*"):
-        if p.name == ".lock" or "__pycache__" in p.parts:
+        rel = p.relative_to(root)
+        if (
+            p.name == ".lock"
+            or "__pycache__" in p.parts
+            or (rel.parts[0] == "home" and len(rel.parts) > 1 and rel.parts[1].startswith("."))
+        ):
             continue
         st = p.lstat()
-        out[str(p.relative_to(root))] = (p.is_dir(), 0 if p.is_dir() else st.st_size, st.st_mtime_ns)
+        out[str(rel)] = (p.is_dir(), 0 if p.is_dir() else st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -464,7 +513,7 @@ def classify(case: Case, code: int, out: str, err: str, world: Path, before: dic
         return "ran planted code"
     after = snapshot(world)
     changed = [k for k, v in before.items() if k in after and after[k] != v and not v[0]]
-    removed = [k for k in before if k not in after and not k.startswith(("two-runs", "listops"))]
+    removed = [k for k in before if k not in after and not k.startswith(("two-runs", "pair-runs", "listops"))]
     if case.refuse:
         if changed or removed:
             return f"changed or removed the user's files ({', '.join((changed + removed)[:3])})"
@@ -496,9 +545,7 @@ def run_case(
     (world / "world.json").write_text((world / "world.json").read_text().replace(str(built), str(world)))
     argv = case.command(world)
     before = snapshot(world)
-    env = dict(os.environ, HOME=str(world / "home"), HF_HUB_OFFLINE="1", MEGA_MALLOC="system", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(repo))  # fmt: skip
-    env.pop("MEGA_SUITE_RUN", None)
+    env = _env(repo, world)
     holder = None
     if "another process holds" in case.name:  # a resumed run of the same folder in progress: its lock held
         holder = hold_lock(_run(world, "debug"))
@@ -514,6 +561,13 @@ def run_case(
             holder.close()
         shutil.rmtree(world, ignore_errors=True)
     return outcome, last
+
+
+def _env(repo: Path, world: Path) -> dict[str, str]:
+    env = dict(os.environ, HOME=str(world / "home"), HF_HUB_OFFLINE="1", MEGA_MALLOC="system", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(repo))  # fmt: skip
+    env.pop("MEGA_SUITE_RUN", None)
+    return env
 
 
 def hold_lock(folder: Path):
@@ -533,13 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="cases whose name contains this")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=int, default=300)
-    p.add_argument("--world", default=None, help="a world built before (else built in a temporary folder)")
+    p.add_argument("--world", default=None, help="a world built before (else built by --repo's commands)")
     p.add_argument("--json", default=None, help="also write the outcomes here")
     a = p.parse_args(argv)
     import tempfile
 
     scratch = Path(tempfile.mkdtemp(prefix="user-probe-"))
-    built = Path(a.world) if a.world else build_world(scratch / "world")
+    built = Path(a.world) if a.world else build_world(scratch / "world", Path(a.repo), a.python)
     cases = [c for c in CASES if a.only in c.name]
     start = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:

@@ -34,7 +34,7 @@ from mega_suite.config.resolve import (
 from mega_suite.config.schema import EVAL_MODES, ConfigError
 from mega_suite.models import arch_of
 from mega_suite.storage.checkpoints import Checkpoint, open_checkpoint
-from mega_suite.storage.runs import Output, evaluation_output, training_output
+from mega_suite.storage.runs import Output, evaluation_output, newest_run, training_output
 
 SHARDING_STRATEGIES = ("fsdp", "hsdp")  # built on the meta device, sharded, then initialised
 LAUNCHED = (
@@ -195,7 +195,9 @@ def make_plan(cfg: DictConfig) -> RunPlan:
         init_from = open_checkpoint(cfg.init_from, "init_from")
         check_config_match(init_from, cfg, "init_from")
     if mode == "fit" and not launched:
-        output, resume = training_output(Path(cfg.run_root), cfg.recipe, cfg.run_dir, cfg.resume)
+        output, resume = training_output(
+            Path(cfg.run_root), cfg.recipe, cfg.run_dir, cfg.resume, cfg.model.arch
+        )
         notes += list(output.notes)
         if resume is not None:
             check_config_match(resume, cfg, "resume")
@@ -237,11 +239,8 @@ def _evaluated(cfg: DictConfig) -> list[Checkpoint]:
         if not cfg.resume:
             raise ConfigError(f"mode={cfg.mode} needs ckpt=PATH (or resume=auto / a run folder)")
         if cfg.resume == "auto":
-            from mega_suite.storage.runs import newest_run
-
-            run = (
-                Path(cfg.run_dir) if cfg.run_dir else newest_run(Path(cfg.run_root) / cfg.recipe, cfg.recipe)
-            )
+            folder = Path(cfg.run_root) / cfg.recipe
+            run = Path(cfg.run_dir) if cfg.run_dir else newest_run(folder, cfg.recipe, cfg.model.arch)
             if run is None:
                 raise ConfigError(
                     f"mode={cfg.mode} resume=auto: no run of recipe={cfg.recipe} with a checkpoint in "

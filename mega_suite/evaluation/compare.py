@@ -148,7 +148,9 @@ def tokens_per_step(config: dict, source: Path) -> tuple[float, str]:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config))
         result = formula(cfg, devices=_devices(cfg.trainer.devices))
     except Exception as exc:  # noqa: BLE001  (an older or hand-edited config.yaml)
-        raise CompareError(f"{source}: cannot compute tokens per step ({' '.join(str(exc).split())[:160]})") from None
+        raise CompareError(
+            f"{source}: cannot compute tokens per step ({' '.join(str(exc).split())[:160]})"
+        ) from None
     if result is None:
         raise CompareError(f"{source}: the run's data has no sequence length to count tokens per step")
     total, how = result

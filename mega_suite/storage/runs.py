@@ -48,18 +48,31 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def run_recipe(run: Path) -> str | None:
-    """The recipe of the run in ``run``, read from its configuration (None when unknown)."""
+def run_config(run: Path) -> dict:
+    """The configuration a run folder records (its newest resumed one, else ``config.yaml``; {} when none is
+    readable)."""
     import yaml
 
-    for name in ["config.yaml", *sorted(p.name for p in run.glob("config.resumed-*.yaml"))[::-1]]:
+    for name in [*sorted(p.name for p in run.glob("config.resumed-*.yaml"))[::-1], "config.yaml"]:
         try:
-            recipe = (yaml.safe_load((run / name).read_text()) or {}).get("recipe")
-        except (OSError, yaml.YAMLError, AttributeError):
+            found = yaml.safe_load((run / name).read_text())
+        except (OSError, yaml.YAMLError):
             continue
-        if recipe is not None:
-            return str(recipe)
-    return None
+        if isinstance(found, dict):
+            return found
+    return {}
+
+
+def run_recipe(run: Path) -> str | None:
+    """The recipe of the run in ``run`` (None when unknown)."""
+    recipe = run_config(run).get("recipe")
+    return None if recipe is None else str(recipe)
+
+
+def run_arch(run: Path) -> str | None:
+    """The architecture (``model.arch``) the run in ``run`` trains (None when unknown)."""
+    arch = (run_config(run).get("model") or {}).get("arch")
+    return None if arch is None else str(arch)
 
 
 def enclosing_run(path: Path) -> Path | None:
@@ -128,7 +141,7 @@ def newest_run(folder: Path, recipe: str) -> Path | None:
 
 
 def training_output(
-    run_root: Path, recipe: str, run_dir: str | None, resume: str | None
+    run_root: Path, recipe: str, run_dir: str | None, resume: str | None, arch: str | None = None
 ) -> tuple[Output, Checkpoint | None]:
     """Where ``mode=fit`` writes and the checkpoint it continues from (checked); nothing is created."""
     root = Path(run_root)
@@ -138,7 +151,7 @@ def training_output(
             return Output(Path(run_dir), "train", fresh=False), None
         return Output(root / recipe / _stamp(), "train"), None
     if resume == "auto":
-        run = Path(run_dir) if run_dir else newest_run(root / recipe, recipe)
+        run = Path(run_dir) if run_dir else newest_run(root / recipe, recipe, arch)
         where = run if run is not None else root / recipe
         if run is None or not is_run_folder(run):
             if run is not None:
