@@ -128,14 +128,18 @@ def _newest_checkpoint_time(run: Path) -> float:
     return max(times) if times else -1.0
 
 
-def newest_run(folder: Path, recipe: str) -> Path | None:
-    """The run of ``recipe`` in ``folder`` whose newest checkpoint was written last."""
+def newest_run(folder: Path, recipe: str, arch: str | None = None) -> Path | None:
+    """The run of ``recipe`` (and of the architecture ``arch``, when given: a Llama comparison run of the same
+    recipe is not the Megalodon run to continue) in ``folder`` whose newest checkpoint was written last."""
     if not folder.is_dir():
         return None
     runs = [
         p
         for p in folder.iterdir()
-        if is_run_folder(p) and run_checkpoints(p) and run_recipe(p) in (None, recipe)
+        if is_run_folder(p)
+        and run_checkpoints(p)
+        and run_recipe(p) in (None, recipe)
+        and (arch is None or run_arch(p) in (None, arch))
     ]
     return max(runs, key=_newest_checkpoint_time, default=None)
 
