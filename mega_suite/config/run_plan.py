@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,8 +33,10 @@ from mega_suite.config.resolve import (
 )
 from mega_suite.config.schema import EVAL_MODES, ConfigError
 from mega_suite.models import arch_of
-from mega_suite.storage.checkpoints import Checkpoint, open_checkpoint
-from mega_suite.storage.runs import Output, evaluation_output, newest_run, training_output
+
+if TYPE_CHECKING:  # torch comes with the checkpoint reader: configuration errors are answered before it
+    from mega_suite.storage.checkpoints import Checkpoint
+    from mega_suite.storage.runs import Output
 
 SHARDING_STRATEGIES = ("fsdp", "hsdp")  # built on the meta device, sharded, then initialised
 LAUNCHED = (
@@ -178,11 +180,15 @@ def make_plan(cfg: DictConfig) -> RunPlan:
     cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # the caller's object is never the plan's
     OmegaConf.set_readonly(cfg, True)
     mode = cfg.mode
+    _check_inputs(cfg)  # no torch: the files and task names a mode reads, answered at once
     check_compile_backend(cfg)
     check_accelerator(cfg)
     data_kwargs = data_arguments(cfg)
     model = model_config(cfg)
     devices = device_count(cfg)
+    from mega_suite.storage.checkpoints import open_checkpoint  # torch: after every check that needs none
+    from mega_suite.storage.runs import Output, evaluation_output, training_output
+
     resume, init_from, evaluated, output, notes = None, None, (), None, []
     launched = os.environ.get(LAUNCHED)
     if launched:  # a rank Lightning's launcher started: the folder and checkpoint rank 0 resolved and claimed
@@ -217,7 +223,6 @@ def make_plan(cfg: DictConfig) -> RunPlan:
         tokenizer=_tokenizer(cfg), prompt=_prompt(cfg), data_kwargs=data_kwargs, model=model, devices=devices,
         nodes=int(cfg.trainer.num_nodes), launched=bool(launched), notes=tuple(notes),
     )  # fmt: skip
-    _check_inputs(cfg)
     if mode != "plan":
         check_fits_in_memory(plan)
     return plan
@@ -226,6 +231,9 @@ def make_plan(cfg: DictConfig) -> RunPlan:
 def _evaluated(cfg: DictConfig) -> list[Checkpoint]:
     """The checkpoints an evaluation reads, each checked: ``ckpt=``; ``lm_eval.checkpoints`` (a run folder:
     its periodic ``step<N>.ckpt``); ``mode=validate|test`` with ``resume=``: the run's newest checkpoint."""
+    from mega_suite.storage.checkpoints import open_checkpoint
+    from mega_suite.storage.runs import newest_run
+
     if cfg.ckpt:
         return [open_checkpoint(cfg.ckpt, "ckpt")]
     if cfg.mode == "lm_eval" and cfg.lm_eval.checkpoints:
@@ -300,8 +308,10 @@ def _prompt(cfg: DictConfig) -> str | None:
 
 def _check_inputs(cfg: DictConfig) -> None:
     """The folders and files the modes read besides checkpoints."""
-    if cfg.mode == "lm_eval" and cfg.lm_eval.include_path and not Path(cfg.lm_eval.include_path).is_dir():
-        raise ConfigError(f"lm_eval.include_path={cfg.lm_eval.include_path} is not a folder of task YAMLs")
+    if cfg.mode == "lm_eval":  # a misspelt task name before any checkpoint is opened (no torch needed)
+        from mega_suite.evaluation.task_names import check_task_names
+
+        check_task_names(list(cfg.lm_eval.tasks), cfg.lm_eval.include_path)
     if cfg.mode == "passkey" and cfg.passkey.haystack != "filler":
         path = Path(cfg.passkey.haystack)
         if not path.exists():

@@ -28,9 +28,6 @@ Hugging Face cache; a task whose data is in neither fails with one error naming 
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import functools
 import json
 import math
 import os
@@ -48,6 +45,7 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mega_suite.config import ConfigError  # noqa: E402
+from mega_suite.evaluation.task_names import check_task_names, manager  # noqa: E402
 from mega_suite.models import arch_of  # noqa: E402
 from mega_suite.models.generation import generate  # noqa: E402
 
@@ -275,58 +273,6 @@ def cut_at_stop(text: str, until: list[str]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
-def _manager(include_path: str | None, defaults: bool):
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(
-        include_path=include_path, include_defaults=defaults
-    )  # indexing the harness's: seconds
-
-
-def harness_task_names() -> list[str]:
-    """Every task, group and tag name the harness's own index knows. Indexing its thousands of YAMLs takes
-    seconds (about 15 on a 2-core CPU), so the names are cached per lm-eval version in the user's cache
-    folder, and a misspelt task is refused at once the next time."""
-    import lm_eval
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mega_suite"
-    file = cache / f"lm_eval_tasks-{getattr(lm_eval, '__version__', 'unknown')}.json"
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError):
-        pass
-    names = sorted(_manager(None, True).all_tasks)
-    with contextlib.suppress(OSError):  # a read-only home only costs the next run the indexing
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(f"{file.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(names))
-        os.replace(tmp, file)
-    return names
-
-
-def check_task_names(names: list[str], include_path: str | None) -> None:
-    """Every name is a task of ``include_path`` or of the harness (or a task YAML file); an unknown one is a
-    ConfigError with the nearest known names, before any model is loaded."""
-    local = list(_manager(str(Path(include_path).resolve()), False).all_tasks) if include_path else []
-    unknown = [n for n in names if n not in local and not Path(n).is_file()]
-    if not unknown:
-        return
-    known = harness_task_names()
-    unknown = [n for n in unknown if n not in known]
-    if unknown:
-        near = {n: difflib.get_close_matches(n, local + known, n=3) for n in unknown}
-        raise ConfigError(
-            f"lm_eval.tasks: unknown task(s) {unknown}; nearest: {near} (the harness knows {len(known)} names"
-            + (
-                f", {include_path} {len(local)}"
-                if include_path
-                else "; local tasks go in lm_eval.include_path"
-            )
-            + ")"
-        )
-
-
 def task_manager(names: list[str], include_path: str | None):
     """A TaskManager that knows ``names``: the local folder alone when it has them all (fast), else with the
     harness's own index; an unknown name is a ConfigError with the nearest known ones."""
@@ -335,10 +281,10 @@ def task_manager(names: list[str], include_path: str | None):
     check_task_names(names, include_path)
     include_path = str(Path(include_path).resolve()) if include_path else None
     if include_path:
-        local = _manager(include_path, False)
+        local = manager(include_path, False)
         if all(n in local.all_tasks for n in names):
             return local
-    return _manager(include_path, True)
+    return manager(include_path, True)
 
 
 def task_spec(manager, name: str) -> str | dict:

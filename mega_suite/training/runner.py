@@ -262,10 +262,6 @@ def claimed(plan: RunPlan) -> Iterator[Path]:
 
 
 def _after_training(plan: RunPlan) -> dict[str, Any]:
-    if plan.mode == "lm_eval":  # a misspelt task name before any model is loaded
-        from mega_suite.evaluation.harness import check_task_names
-
-        check_task_names(list(plan.cfg.lm_eval.tasks), plan.cfg.lm_eval.include_path)
     loaders = load_evaluated(plan)  # the model and tokenizer: checked before the folder exists
     if plan.mode == "generate":
         check_generate(plan.cfg, loaders[0](), plan.prompt)
