@@ -78,7 +78,10 @@ def test_table_and_plot(tmp_path):
     assert row["val/loss best"] == "6.8 (after 3 steps)" and row["val/loss final"] == "6.9"
     assert row["test/loss @ best val"] == "7.1"
     assert row["val/ppl best"] == "900 (after 5 steps)"
-    assert "96 tokens/step = batch 2 x tokens per sequence 16 x accumulate 3 x devices 1 x nodes 1 (config.yaml)" in text
+    assert (
+        "96 tokens/step = batch 2 x tokens per sequence 16 x accumulate 3 x devices 1 x nodes 1 (config.yaml)"
+        in text
+    )
     assert rows(text)["kjv/c"]["tokens"] == "4,000"  # the logged counter at step 4, not the config
     assert "kjv/c: tokens from the logged counter train/tokens_seen" in text
 

@@ -47,7 +47,11 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, list[str], str]:
         (("recipe=kjv", "optim.lr=-1"), 2, "optim.lr"),
         (("recipe=kvj",), 2, "kvj"),
         (("recipe=kjv", "data.options.seq_len=abc"), 2, "seq_len"),
-        (("recipe=kjv", "mode=lm_eval", "ckpt=/nonexistent.ckpt", "lm_eval.tasks=hellaswagg"), 2, "hellaswagg"),
+        (
+            ("recipe=kjv", "mode=lm_eval", "ckpt=/nonexistent.ckpt", "lm_eval.tasks=hellaswagg"),
+            2,
+            "hellaswagg",
+        ),
     ],
     ids=["list", "help", "misspelt key", "bad value", "unknown recipe", "typed data option", "unknown task"],
 )
