@@ -309,7 +309,7 @@ def _prompt(cfg: DictConfig) -> str | None:
 def _check_inputs(cfg: DictConfig) -> None:
     """The folders and files the modes read besides checkpoints."""
     if cfg.mode == "lm_eval":  # a misspelt task name before any checkpoint is opened (no torch needed)
-        from mega_suite.evaluation.task_names import check_task_names
+        from mega_suite.config.lm_eval_tasks import check_task_names
 
         check_task_names(list(cfg.lm_eval.tasks), cfg.lm_eval.include_path)
     if cfg.mode == "passkey" and cfg.passkey.haystack != "filler":

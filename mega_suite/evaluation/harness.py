@@ -45,7 +45,7 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mega_suite.config import ConfigError  # noqa: E402
-from mega_suite.evaluation.task_names import check_task_names, manager  # noqa: E402
+from mega_suite.config.lm_eval_tasks import check_task_names, manager  # noqa: E402
 from mega_suite.models import arch_of  # noqa: E402
 from mega_suite.models.generation import generate  # noqa: E402
 
