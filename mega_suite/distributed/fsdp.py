@@ -142,6 +142,20 @@ def _local_slice(full: Tensor, param) -> Tensor:
     return full[index]
 
 
+def materialize(model: nn.Module, device: torch.device | str, init_seed: int | None, sharded: bool) -> None:
+    """Allocate a meta-device model (its local shards when ``sharded``) on ``device`` and initialise it from
+    ``init_seed`` alone: the caller's global generator is neither read nor advanced (Lightning happens to
+    re-seed before ``configure_model``; runs must not depend on that)."""
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        if sharded:
+            init_sharded(model)
+        else:
+            model.init_weights()
+
+
 def init_sharded(model: nn.Module) -> None:
     """``model.init_weights()`` on a sharded, materialised (``to_empty``) model, drawing exactly the random
     numbers a single process draws: the full parameters equal those of ``to_empty`` + ``init_weights`` on one

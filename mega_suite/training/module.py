@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from mega_suite.config import ADAMW_KERNELS, CUDAGRAPH_MODES
 from mega_suite.distributed.chunk_parallel import attach, global_mean_loss, slice_batch, slice_bounds
-from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, init_sharded, uses_model_parallel
+from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, materialize, uses_model_parallel
 from mega_suite.models import build_model
 from mega_suite.storage.checkpoints import load_full_weights
 from mega_suite.training.saving import NonFiniteLossError
@@ -134,14 +134,7 @@ class SuiteModule(L.LightningModule):
     def materialize(self, sharded: bool) -> None:
         """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
 
-        self.model.to_empty(device=self.device)
-        with torch.random.fork_rng(devices=[]):
-            if self.init_seed is not None:
-                torch.manual_seed(self.init_seed)
-            if sharded:
-                init_sharded(self.model)
-            else:
-                self.model.init_weights()
+        materialize(self.model, self.device, self.init_seed, sharded)
         if self.weights_from is not None:
             load_full_weights(self.model, self.weights_from)
 

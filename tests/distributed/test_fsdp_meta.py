@@ -79,7 +79,7 @@ def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from mega_suite.distributed.fsdp import apply_fsdp, init_sharded, resident_parameter_bytes
+    from mega_suite.distributed.fsdp import apply_fsdp, init_sharded, materialize, resident_parameter_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -101,12 +101,13 @@ def _init_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         out = model(tokens)[0] if name != "classifier" else model(tokens)
         out.float().square().mean().backward()
         result[name] = dict(state=_full_state(model), bytes=resident_parameter_bytes(model), tied=tied)
-    # The training module's path (configure_model): its own init_seed, whatever each rank's generator holds.
-    module = _module(meta_init=True)
-    apply_fsdp(module.model)
+    # The training module's path (configure_model -> materialize): its own init_seed, whatever each rank's
+    # generator holds (the function itself: Lightning's import would double this test's time)
+    model = _meta_model("megalodon")
+    apply_fsdp(model)
     _disturb_global_generator(rank)
-    module.materialize(sharded=True)
-    result["module"] = dict(state=_full_state(module.model))
+    materialize(model, "cpu", SEED, sharded=True)
+    result["module"] = dict(state=_full_state(model))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
