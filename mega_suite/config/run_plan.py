@@ -380,12 +380,9 @@ def memory_available() -> tuple[int, str]:
 def check_fits_in_memory(plan: RunPlan) -> None:
     """A model whose weights (and, to train, gradients and AdamW state) cannot fit on one process is refused
     with its size before anything is allocated (``mode=plan`` prints the whole budget)."""
-    import torch
+    from mega_suite.models import build_on_meta, count_parameters
 
-    from mega_suite.models import build_model, count_parameters
-
-    with torch.device("meta"):
-        params = count_parameters(build_model(plan.model))
+    params = count_parameters(build_on_meta(plan.model))
     per_param = 16 if plan.mode == "fit" else 4  # float32 weights (+ gradients + 2 AdamW moments)
     shard = plan.world if plan.sharded else 1
     need = params * per_param / shard

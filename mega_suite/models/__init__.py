@@ -21,6 +21,7 @@ from mega_suite.models.registry import (
     ModelSpec,
     arch_of,
     build_model,
+    build_on_meta,
     count_parameters,
     create_model,
     get_arch,
@@ -30,6 +31,6 @@ from mega_suite.models.registry import (
 )
 
 __all__ = [
-    "ARCHS", "ModelSpec", "arch_of", "build_model", "count_parameters", "create_model", "get_arch",
+    "ARCHS", "ModelSpec", "arch_of", "build_model", "build_on_meta", "count_parameters", "create_model", "get_arch",
     "get_config", "list_models", "llama", "megalodon", "register",
 ]  # fmt: skip

@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from mega_suite.config.run_plan import RunPlan, make_plan
-from mega_suite.models import build_model, count_parameters
+from mega_suite.models import build_model, build_on_meta, count_parameters
 from mega_suite.models.megalodon.lean import is_rebuilt
 from mega_suite.tools.memory import stored_for_backward
 
@@ -151,8 +151,7 @@ def plan_table(run: RunPlan) -> str:
     """``mode=plan``: the memory table of a run plan (read, never changed)."""
     cfg = run.cfg
     mcfg = run.model
-    with torch.device("meta"):
-        model = build_model(mcfg)
+    model = build_on_meta(mcfg)
     total = count_parameters(model)
     unit = max((sum(p.numel() for p in u.parameters()) for u in model.fsdp_units()), default=0)
     root = total - sum(sum(p.numel() for p in u.parameters()) for u in model.fsdp_units())

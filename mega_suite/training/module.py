@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from mega_suite.config import ADAMW_KERNELS, CUDAGRAPH_MODES
 from mega_suite.distributed.chunk_parallel import attach, global_mean_loss, slice_batch, slice_bounds
 from mega_suite.distributed.fsdp import apply_fsdp, data_parallel_mesh, materialize, uses_model_parallel
-from mega_suite.models import build_model
+from mega_suite.models import build_on_meta
 from mega_suite.storage.checkpoints import load_full_weights
 from mega_suite.training.saving import NonFiniteLossError
 
@@ -76,8 +76,7 @@ class SuiteModule(L.LightningModule):
         # One initialisation whatever the strategy: built on the meta device, materialised, seeded, then
         # init_weights() -- at once here, or per shard in configure_model (init_sharded draws the same
         # numbers), so that one seed gives the same initial model on one device, under DDP and FSDP2.
-        with torch.device("meta"):
-            self.model = build_model(model_cfg)
+        self.model = build_on_meta(model_cfg)
         if not meta_init:
             self.materialize(sharded=False)
         self.model.gradient_checkpointing = bool(self.trainer_cfg.get("gradient_checkpointing", False))

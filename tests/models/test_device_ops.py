@@ -101,7 +101,7 @@ def count_step(block: torch.nn.Module, plant=None, warm: bool = False) -> Device
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, LENGTH, DIM, generator=gen).requires_grad_()
     cotangent = torch.randn(BATCH, LENGTH, DIM, generator=gen)
-    for counter in ((DeviceOps(),) if warm else (contextlib.nullcontext(), DeviceOps())):
+    for counter in (DeviceOps(),) if warm else (contextlib.nullcontext(), DeviceOps()):
         counted = counter if isinstance(counter, DeviceOps) else DeviceOps()
         with cuda_paths(block), counting_launches(counted):
             with counter, torch.autocast("cpu", dtype=torch.float16):

@@ -76,3 +76,25 @@ def test_llama_sizes_match_megalodon_within_three_percent(llama):
         want.ffn_hidden_dim,
         want.num_heads,
     ), "the frozen preset is not what matched_config gives"
+
+
+@pytest.mark.parametrize("name", ["megalodon_7b", "llama_7b"])
+def test_a_meta_build_skips_initialisation_and_leaves_nn_init_as_it_was(name):
+    """``build_on_meta``: the shapes of ``build_model`` on the meta device, no random draw (the global
+    generator does not move), and torch.nn.init restored afterwards."""
+    from mega_suite.models import build_model, build_on_meta, get_config
+
+    cfg = get_config(name, num_layers=2)
+    fills = {
+        n: getattr(torch.nn.init, n) for n in ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_")
+    }
+    state = torch.random.get_rng_state()
+    fast = build_on_meta(cfg)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert fills == {n: getattr(torch.nn.init, n) for n in fills}
+    with torch.device("meta"):
+        slow = build_model(cfg)
+    assert {k: v.shape for k, v in fast.state_dict().items()} == {
+        k: v.shape for k, v in slow.state_dict().items()
+    }
+    assert all(p.is_meta for p in fast.parameters())

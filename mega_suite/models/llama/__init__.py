@@ -71,14 +71,10 @@ def check_recipe(megalodon, seq_len: int | None) -> None:
 def from_recipe(megalodon, seq_len: int | None) -> LlamaConfig:
     """The Llama matched in parameter count to the Megalodon a recipe describes, its window the data's
     ``seq_len``: the paper's controlled comparison on the same recipe."""
-    import torch
-
-    from mega_suite.models.megalodon import build_model as build_megalodon
-    from mega_suite.models.registry import count_parameters
+    from mega_suite.models.registry import build_on_meta, count_parameters
 
     check_recipe(megalodon, seq_len)
-    with torch.device("meta"):
-        target = count_parameters(build_megalodon(megalodon))
+    target = count_parameters(build_on_meta(megalodon))
     return matched_config(
         target, megalodon.model_dim, megalodon.vocab_size, megalodon.share_emb, max_seq_len=int(seq_len),
         norm_eps=megalodon.norm_eps, dropout=megalodon.dropout,

@@ -111,6 +111,8 @@ class ComplexEMA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.theta.is_meta:  # no values to fill (and theta's ops would run as torch's slow Python refs)
+            return
         nn.init.normal_(self.alpha, 0.0, 0.2)
         nn.init.normal_(self.delta, 0.0, 0.2)
         # theta_d = logit(D^(-pi(d)/D)): base frequencies spread log-uniformly over (1/D, 1).
