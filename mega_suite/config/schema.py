@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from mega_suite.errors import ConfigError as ConfigError  # raised by every check (with the other user errors)
 from mega_suite.models.megalodon.config import MegalodonConfig
@@ -73,8 +73,9 @@ class TrainerSection:
     global_batch_tokens: int = 0  # task=lm, > 0: sets accumulate_grad_batches (config.resolve.accumulation)
     peak_tflops: float = 0.0  # task=lm: per-device peak for MFU (e.g. 989: H100 bf16 dense); 0: no MFU
     val_check_interval: int = 500  # validate (and test) every N training batches
-    limit_val_batches: float = 1.0  # fraction (<= 1.0) or number of batches
-    limit_test_batches: float = 1.0
+    # as Lightning: a whole number counts batches (1: one batch), a float is a fraction (1.0: all)
+    limit_val_batches: Union[int, float] = 1.0  # noqa: UP007 (OmegaConf reads typing.Union, not int | float)
+    limit_test_batches: Union[int, float] = 1.0  # noqa: UP007
     log_every_n_steps: int = 10
     gradient_checkpointing: bool = False  # recompute block activations in backward
     # P > 1: the ranks form a (data-parallel x chunk-parallel) mesh; the P ranks of a group each train on a

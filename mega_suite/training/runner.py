@@ -140,6 +140,12 @@ def build_strategy(cfg: DictConfig):
     return "auto"
 
 
+def batch_limit(value: int | float) -> int | float:
+    """Lightning's rule: a whole number counts batches (``1``: one batch), a float up to 1.0 is a fraction
+    (``1.0``: all); a whole float past 1 (``3.0``) is that many batches."""
+    return int(value) if isinstance(value, float) and value > 1.0 else value
+
+
 def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = None) -> L.Trainer:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -170,8 +176,7 @@ def build_trainer(plan: RunPlan, run_dir: Path, extra_callbacks: list | None = N
     if periodic is not None:
         callbacks.append(periodic)
     logger = TensorBoardLogger(save_dir=str(run_dir), name="", version="", default_hp_metric=False)
-    limit_val = t.limit_val_batches if t.limit_val_batches <= 1.0 else int(t.limit_val_batches)
-    limit_test = t.limit_test_batches if t.limit_test_batches <= 1.0 else int(t.limit_test_batches)
+    limit_val, limit_test = batch_limit(t.limit_val_batches), batch_limit(t.limit_test_batches)
     return L.Trainer(
         default_root_dir=str(run_dir),
         max_steps=t.max_steps,
