@@ -275,9 +275,7 @@ def cut_at_stop(text: str, until: list[str]) -> str:
 
 def task_manager(names: list[str], include_path: str | None):
     """A TaskManager that knows ``names``: the local folder alone when it has them all (fast), else with the
-    harness's own index; an unknown name is a ConfigError with the nearest known ones."""
-    if include_path and not Path(include_path).is_dir():
-        raise FileNotFoundError(f"lm_eval.include_path={include_path} is not a folder of task YAMLs")
+    harness's own index; an unknown name or a missing folder is a ConfigError (``check_task_names``)."""
     check_task_names(names, include_path)
     include_path = str(Path(include_path).resolve()) if include_path else None
     if include_path:

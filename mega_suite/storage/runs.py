@@ -69,10 +69,11 @@ def run_recipe(run: Path) -> str | None:
     return None if recipe is None else str(recipe)
 
 
-def run_arch(run: Path) -> str | None:
-    """The architecture (``model.arch``) the run in ``run`` trains (None when unknown)."""
-    arch = (run_config(run).get("model") or {}).get("arch")
-    return None if arch is None else str(arch)
+def _is_run_of(run: Path, recipe: str, arch: str | None) -> bool:
+    """``run`` records ``recipe`` and, when given, ``arch`` (or does not say)."""
+    cfg = run_config(run)
+    ran, trained = cfg.get("recipe"), (cfg.get("model") or {}).get("arch")
+    return (ran is None or str(ran) == recipe) and (arch is None or trained is None or str(trained) == arch)
 
 
 def enclosing_run(path: Path) -> Path | None:
@@ -134,12 +135,7 @@ def newest_run(folder: Path, recipe: str, arch: str | None = None) -> Path | Non
     if not folder.is_dir():
         return None
     runs = [
-        p
-        for p in folder.iterdir()
-        if is_run_folder(p)
-        and run_checkpoints(p)
-        and run_recipe(p) in (None, recipe)
-        and (arch is None or run_arch(p) in (None, arch))
+        p for p in folder.iterdir() if is_run_folder(p) and run_checkpoints(p) and _is_run_of(p, recipe, arch)
     ]
     return max(runs, key=_newest_checkpoint_time, default=None)
 

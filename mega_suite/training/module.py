@@ -132,7 +132,6 @@ class SuiteModule(L.LightningModule):
 
     def materialize(self, sharded: bool) -> None:
         """Allocate the (local shards of the) meta-device model and initialise it with ``init_seed``."""
-
         materialize(self.model, self.device, self.init_seed, sharded)
         if self.weights_from is not None:
             load_full_weights(self.model, self.weights_from)

@@ -148,12 +148,16 @@ def test_ranges_are_checked_before_the_model_is_built():
     "value, lightning_gets",
     [("1", 1), ("4", 4), ("1.0", 1.0), ("0.25", 0.25), ("0", 0), ("3.0", 3)],
 )
-def test_batch_limits_follow_lightning_a_whole_number_counts_batches_a_float_is_a_fraction(value, lightning_gets):
+def test_batch_limits_follow_lightning_a_whole_number_counts_batches_a_float_is_a_fraction(
+    value, lightning_gets
+):
     """``trainer.limit_val_batches=1`` is one batch, as in Lightning (the schema's float once made it 1.0: every
     batch, minutes of validation on the main job); ``1.0`` is the whole split."""
     from mega_suite.training.runner import batch_limit
 
-    cfg = load_config(["recipe=debug", f"trainer.limit_val_batches={value}", f"trainer.limit_test_batches={value}"])
+    cfg = load_config(
+        ["recipe=debug", f"trainer.limit_val_batches={value}", f"trainer.limit_test_batches={value}"]
+    )
     for key in ("limit_val_batches", "limit_test_batches"):
         got = batch_limit(cfg.trainer[key])
         assert got == lightning_gets and type(got) is type(lightning_gets), (key, value, got)
